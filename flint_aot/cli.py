@@ -1,0 +1,120 @@
+"""The `flint-aot` command line: build, list, verify."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from flint_aot import __version__
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+@click.group()
+@click.version_option(__version__, prog_name="flint-aot")
+def main():
+    """Ahead-of-time builder of Flint's fused decode qkv kernels."""
+
+
+@main.command()
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", default="build/flint", show_default=True, help="Bundle directory to (re)place.")
+@click.option(
+    "-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Parallel compiles."
+)
+@click.option(
+    "--cache-dir", default=None, help="Compile cache [default: $FLINT_AOT_CACHE or ~/.cache/flint-aot]."
+)
+def build(config, out, jobs, cache_dir):
+    """Compile every specialization of CONFIG into a bundle (cubins + manifest.json)."""
+    from flint_aot.builder import BuildError
+    from flint_aot.builder import build as do_build
+    from flint_aot.config import ConfigError, expand, load_config
+
+    try:
+        total = len(expand(load_config(config)))
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    with click.progressbar(length=total, label="compiling", file=sys.stderr, show_pos=True) as bar:
+
+        def progress(label, status):
+            bar.update(1)
+
+        try:
+            res = do_build(config, out, jobs=jobs, cache_dir=cache_dir, progress=progress)
+        except (BuildError, ConfigError) as e:
+            raise click.ClickException(str(e)) from None
+        bar.update(total - bar.pos)
+    rows = [
+        [r.spec.name, r.spec.arch, r.status, r.entry.registers, r.entry.size, f"{r.seconds:.1f}"]
+        for r in res.rows
+    ]
+    click.echo(_table(["kernel", "arch", "status", "regs", "bytes", "seconds"], rows))
+    for kind in sorted({s.kind for s in res.skipped}):
+        n = sum(s.kind == kind for s in res.skipped)
+        click.echo(
+            f"note: {n} '{kind}' specializations not built: no '{kind}' kernel in this version", err=True
+        )
+    click.echo(
+        f"bundle {res.out}: {len(res.rows)} cubins ({res.compiled} compiled, "
+        f"{len(res.rows) - res.compiled} cached)"
+    )
+
+
+@main.command("list")
+@click.argument("bundle", type=click.Path(file_okay=False))
+def list_(bundle):
+    """Show what BUNDLE holds."""
+    from loader.bundle import Bundle, BundleError
+    from loader.manifest import ManifestError
+
+    try:
+        b = Bundle.open(bundle)
+    except (BundleError, ManifestError) as e:
+        raise click.ClickException(str(e)) from None
+    m = b.manifest
+    click.echo(
+        f"{b.path}: {m.generator}, nvidia-cutlass-dsl {m.dsl_version}, schema {m.schema_version}, "
+        f"archs {', '.join(m.archs())}"
+    )
+    rows = [
+        [k.name, k.arch, k.entry, "x".join(map(str, k.block)), "x".join(map(str, k.cluster)),
+         k.registers, k.size, k.sha256[:12]]
+        for k in m.kernels
+    ]  # fmt: skip
+    click.echo(_table(["kernel", "arch", "entry", "block", "cluster", "regs", "bytes", "sha256"], rows))
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False))
+def verify(bundle):
+    """Check every cubin of BUNDLE against its manifest (sha256, entry, parameters, block size)."""
+    from loader.bundle import Bundle, BundleError
+    from loader.manifest import ManifestError
+
+    try:
+        b = Bundle.open(bundle)
+    except (BundleError, ManifestError) as e:
+        raise click.ClickException(str(e)) from None
+    bad = 0
+    for label, problems in b.verify().items():
+        click.echo(
+            f"{'ok  ' if not problems else 'FAIL'} {label}"
+            + ("" if not problems else ": " + "; ".join(problems))
+        )
+        bad += bool(problems)
+    if bad:
+        raise click.ClickException(
+            f"{bad} of {len(b.manifest.kernels)} cubins do not match the manifest; rebuild the bundle"
+        )
+    click.echo(f"{len(b.manifest.kernels)} cubins verified")
+
+
+if __name__ == "__main__":
+    main()

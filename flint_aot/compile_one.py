@@ -1,0 +1,46 @@
+"""Compile one specialization; run as its own process by the builder (a DSL crash kills only it).
+
+    python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR
+
+Writes OUT_DIR/kernel.cubin, OUT_DIR/kernel.ptx and OUT_DIR/meta.json.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    kind, spec_json, arch, prefix, out = argv
+    # Never let the DSL guess the target from a (missing) GPU: the arch is always explicit.
+    os.environ["CUTE_DSL_ARCH"] = arch
+    from flint_aot.kernels import MODULES
+
+    mod = importlib.import_module(MODULES[kind])
+    t0 = time.perf_counter()
+    c = mod.compile(json.loads(spec_json), arch, prefix)
+    secs = time.perf_counter() - t0
+    with open(os.path.join(out, "kernel.cubin"), "wb") as f:
+        f.write(c.cubin)
+    with open(os.path.join(out, "kernel.ptx"), "w", encoding="utf-8") as f:
+        f.write(c.ptx)
+    meta = {
+        "entry": c.entry,
+        "params": [list(p) for p in c.params],
+        "block": list(c.block),
+        "cluster": list(c.cluster),
+        "grid": list(c.grid),
+        "dyn_smem": c.dyn_smem,
+        "compile_seconds": round(secs, 3),
+    }
+    with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,163 @@
+"""The YAML variant matrix: loading, validation and expansion into specializations.
+
+    archs: [sm_90a, sm_100a]
+    norm:                       # input RMSNorm
+      residual: [true, false]
+    qkv:                        # fused qkv GEMV
+      weight_format: [bf16, nvfp4]
+      rope: [true, false]
+      heads: [[32, 4], [16, 8]] # (num_q_heads, num_kv_heads)
+
+Every error names the file, the key path, the offending value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from loader.manifest import ARCH_CC
+
+ARCHS = tuple(ARCH_CC)
+WEIGHT_FORMATS = ("bf16", "nvfp4")
+MAX_HEADS = 128
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Specialization:
+    kind: str
+    name: str  # unique per arch, also the cubin's base name and entry prefix
+    spec: dict
+    arch: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.arch}"
+
+
+def spec_name(kind: str, spec: dict) -> str:
+    if kind == "norm":
+        return f"norm_res{int(spec['residual'])}"
+    if kind == "qkv":
+        q, kv = spec["heads"]
+        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{kv}"
+    raise ConfigError(f"unknown kernel kind {kind!r}")
+
+
+class _Checker:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, path: str, value, accepted: str):
+        raise ConfigError(f"{self.source}: {path}: got {value!r}; accepted: {accepted}")
+
+    def mapping(self, d, path: str, allowed: dict[str, bool]) -> dict:
+        """allowed: key -> required."""
+        if not isinstance(d, dict):
+            self.fail(path or "<top level>", d, "a mapping with keys " + ", ".join(allowed))
+        for k in d:
+            if k not in allowed:
+                self.fail(f"{path}.{k}".lstrip("."), k, "known keys " + ", ".join(allowed))
+        for k, required in allowed.items():
+            if required and k not in d:
+                raise ConfigError(f"{self.source}: {(path + '.' + k).lstrip('.')}: missing (required)")
+        return d
+
+    def nonempty_unique_list(self, v, path: str, accepted: str) -> list:
+        if not isinstance(v, list) or not v:
+            self.fail(path, v, f"a non-empty list of {accepted}")
+        seen = []
+        for i, item in enumerate(v):
+            if item in seen:
+                self.fail(f"{path}[{i}]", item, f"each value once ({accepted})")
+            seen.append(item)
+        return v
+
+    def choices(self, v, path: str, options: tuple) -> list:
+        accepted = " | ".join(map(str, options))
+        v = self.nonempty_unique_list(v, path, accepted)
+        for i, item in enumerate(v):
+            if not isinstance(item, str) or item not in options:
+                self.fail(f"{path}[{i}]", item, accepted)
+        return v
+
+    def bools(self, v, path: str) -> list:
+        v = self.nonempty_unique_list(v, path, "true | false")
+        for i, item in enumerate(v):
+            if not isinstance(item, bool):
+                self.fail(f"{path}[{i}]", item, "true | false")
+        return v
+
+    def heads(self, v, path: str) -> list:
+        what = "[num_q_heads, num_kv_heads] pairs of positive integers, q a multiple of kv"
+        v = self.nonempty_unique_list(v, path, what)
+        for i, item in enumerate(v):
+            p = f"{path}[{i}]"
+            if not (isinstance(item, list) and len(item) == 2):
+                self.fail(p, item, what)
+            q, kv = item
+            for j, n in enumerate(item):
+                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HEADS:
+                    self.fail(f"{p}[{j}]", n, f"an integer in 1..{MAX_HEADS}")
+            if q % kv:
+                self.fail(p, item, f"num_q_heads a multiple of num_kv_heads ({q} % {kv} = {q % kv})")
+        return v
+
+
+def validate(raw, source: str = "<config>") -> dict:
+    """Check a parsed config and return it normalized (plain lists, canonical order of keys)."""
+    c = _Checker(source)
+    c.mapping(raw, "", {"archs": True, "norm": False, "qkv": False})
+    out = {"archs": list(c.choices(raw["archs"], "archs", ARCHS))}
+    if "norm" in raw:
+        n = c.mapping(raw["norm"], "norm", {"residual": True})
+        out["norm"] = {"residual": list(c.bools(n["residual"], "norm.residual"))}
+    if "qkv" in raw:
+        q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True})
+        out["qkv"] = {
+            "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
+            "rope": list(c.bools(q["rope"], "qkv.rope")),
+            "heads": [list(h) for h in c.heads(q["heads"], "qkv.heads")],
+        }
+    if "norm" not in out and "qkv" not in out:
+        raise ConfigError(
+            f"{source}: <top level>: no kernels requested; accepted: a 'norm' and/or 'qkv' section"
+        )
+    return out
+
+
+def load_config(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return validate(raw, str(path))
+
+
+def expand(config: dict) -> list[Specialization]:
+    """Every (kernel, specialization, arch) of a validated config, in a stable order."""
+    specs: list[tuple[str, dict]] = []
+    if "norm" in config:
+        for res in config["norm"]["residual"]:
+            specs.append(("norm", {"residual": res}))
+    if "qkv" in config:
+        q = config["qkv"]
+        for fmt, rope, heads in itertools.product(q["weight_format"], q["rope"], q["heads"]):
+            specs.append(("qkv", {"weight_format": fmt, "rope": rope, "heads": list(heads)}))
+    return [
+        Specialization(kind, spec_name(kind, spec), spec, arch)
+        for kind, spec in specs
+        for arch in config["archs"]
+    ]

@@ -1,0 +1,30 @@
+"""Kernel registry. Importing this package does not import the DSL: each kernel module is imported
+only inside the compile subprocess (`flint_aot.compile_one`)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+# kind -> module implementing `compile(spec, arch, entry_prefix) -> common.Compiled`
+MODULES = {"norm": "flint_aot.kernels.norm", "qkv": "flint_aot.kernels.qkv"}
+
+_DIR = Path(__file__).resolve().parent
+
+
+def implemented(kind: str) -> bool:
+    mod = MODULES.get(kind)
+    return mod is not None and importlib.util.find_spec(mod) is not None
+
+
+def source_hash() -> str:
+    """sha256 over every kernel source file: any change to device code invalidates the build cache."""
+    h = hashlib.sha256()
+    for p in sorted(_DIR.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def entry_prefix(name: str) -> str:
+    return f"flint_{name}"
