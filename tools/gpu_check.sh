@@ -7,5 +7,5 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 python3 -m flint_aot.cli verify build/flint | tail -3
-python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -${PYTEST_TAIL:-25}
+timeout 400 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -${PYTEST_TAIL:-25}
 for b in ${BENCH:-}; do python3 "$b" 2>&1 | tee -a "$OUT/bench.log"; done

@@ -48,6 +48,8 @@ def make_kernel(residual: bool, entry_prefix: str, spin: int = 0):
     ):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
+        warp = tid // 32  # plain arithmetic: cute.arch.warp_idx() is a full-warp shfl.sync, which
+        lane = tid % 32  # deadlocks when called inside a lane-divergent branch
         cute.arch.griddepcontrol_launch_dependents()
         off = cute.assume(row * K + tid * VEC, divby=VEC)
         w = common.load_vec(weight + tid * VEC, VEC)  # not written by any predecessor
@@ -58,8 +60,8 @@ def make_kernel(residual: bool, entry_prefix: str, spin: int = 0):
         ss = (r * r).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         ss = cute.arch.warp_reduction_sum(ss)
         red = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS, alignment=16), cute.make_layout(WARPS))
-        if cute.arch.lane_idx() == 0:
-            red[cute.arch.warp_idx()] = ss
+        if lane == 0:
+            red[warp] = ss
         cute.arch.sync_threads()
         total = red[0]
         for i in cutlass.range_constexpr(1, WARPS):
