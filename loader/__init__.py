@@ -14,6 +14,7 @@ _OPS = {
     "flint_qkv_fused",
     "no_rope_table",
     "BundleError",
+    "set_pdl",
 }
 
 
