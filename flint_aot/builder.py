@@ -215,8 +215,8 @@ def build(
     _check_output_dir(out)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     specs = expand(config)
-    todo = [s for s in specs if kernels.implemented(s.kind)]
-    result = BuildResult(out=out, skipped=[s for s in specs if not kernels.implemented(s.kind)])
+    todo = [s for s in specs if kernels.implemented(s.kind, s.spec)]
+    result = BuildResult(out=out, skipped=[s for s in specs if not kernels.implemented(s.kind, s.spec)])
     if not todo:
         raise BuildError(f"{config_path}: none of the requested kernels is implemented in this version")
     src, dsl = kernels.source_hash(), dsl_version()

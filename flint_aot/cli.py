@@ -56,11 +56,10 @@ def build(config, out, jobs, cache_dir):
         for r in res.rows
     ]
     click.echo(_table(["kernel", "arch", "status", "regs", "bytes", "seconds"], rows))
-    for kind in sorted({s.kind for s in res.skipped}):
-        n = sum(s.kind == kind for s in res.skipped)
-        click.echo(
-            f"note: {n} '{kind}' specializations not built: no '{kind}' kernel in this version", err=True
-        )
+    if res.skipped:
+        names = ", ".join(sorted({s.name for s in res.skipped}))
+        click.echo(f"note: {len(res.skipped)} specializations not built (no kernel for them in this version "
+                   f"yet): {names}", err=True)  # fmt: skip
     click.echo(
         f"bundle {res.out}: {len(res.rows)} cubins ({res.compiled} compiled, "
         f"{len(res.rows) - res.compiled} cached)"

@@ -15,6 +15,7 @@ _OPS = {
     "no_rope_table",
     "BundleError",
     "set_pdl",
+    "set_bounds_check",
 }
 
 

@@ -90,3 +90,194 @@ def fused_add_rms_norm(
     if residual is None:
         raise TypeError("residual must be a tensor (use rms_norm when there is none)")
     return _norm(x, residual, weight, eps)
+
+
+# ----------------------------------------------------------------------------- fused qkv
+_NO_ROPE: dict[torch.device, torch.Tensor] = {}
+_bounds_check = False
+
+
+def set_bounds_check(enabled: bool) -> None:
+    """Opt-in checked mode for flint_qkv_fused: raise ValueError when a position lies outside the cos/sin
+    table or a slot outside the cache, instead of the kernel's safe default (NaN q/k for that token; slot not
+    written). Costs a device-to-host copy per call and cannot be used inside CUDA-graph capture."""
+    global _bounds_check
+    _bounds_check = bool(enabled)
+
+
+def no_rope_table(device) -> torch.Tensor:
+    """Placeholder fp32 cos|sin argument for kernels compiled without RoPE (a zero [1, 128] table)."""
+    device = torch.device(device)
+    t = _NO_ROPE.get(device)
+    if t is None:
+        t = _NO_ROPE[device] = torch.zeros(1, HEAD_DIM, dtype=torch.float32, device=device)
+    return t
+
+
+def _heads(num_q_heads, num_kv_heads) -> tuple[int, int]:
+    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return num_q_heads, num_kv_heads
+
+
+def _cache(name, t, nkv, dev) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be torch.bfloat16, got {t.dtype}")
+    if t.device != dev:
+        raise ValueError(f"{name} is on {t.device}, expected {dev} (all tensors on one device)")
+    if t.dim() != 4 or t.shape[2] != nkv or t.shape[3] != HEAD_DIM or t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(
+            f"{name} must have shape [num_blocks, block_size, {nkv}, {HEAD_DIM}], got {list(t.shape)}"
+        )
+    if t.stride(3) != 1:
+        raise ValueError(f"{name} must have last stride 1, got strides {t.stride()}")
+    return t
+
+
+def flint_qkv_fused(
+    x,
+    residual,
+    norm_weight,
+    eps,
+    weight,
+    weight_scale,
+    global_scale,
+    q_norm_weight,
+    k_norm_weight,
+    qk_eps,
+    cos_sin_cache,
+    positions,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    num_q_heads,
+    num_kv_heads,
+):
+    """Residual-add RMSNorm + qkv GEMV + q/k RMSNorm, NeoX RoPE, paged KV-cache write, for M <= 8 tokens.
+
+    Returns (q bf16 [M, num_q_heads * 128], residual_out bf16 [M, 2048]); residual_out is x itself when
+    residual is None. Shapes and semantics: SPEC §2. A position outside cos_sin_cache makes that token's
+    q/k heads NaN and a slot >= num_blocks * block_size is not written (no out-of-bounds access either
+    way); `set_bounds_check(True)` raises on them instead.
+    """
+    m = _activations(x)
+    dev = x.device
+    nq, nkv = _heads(num_q_heads, num_kv_heads)
+    n = (nq + 2 * nkv) * HEAD_DIM
+    if residual is not None:
+        _tensor("residual", residual, torch.bfloat16, (m, K), dev)
+    _tensor("norm_weight", norm_weight, torch.bfloat16, (K,), dev)
+    eps = _eps("eps", eps)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype == torch.bfloat16:
+        fmt = "bf16"
+        _tensor("weight", weight, torch.bfloat16, (n, K), dev)
+        if weight_scale is not None or global_scale is not None:
+            raise ValueError("weight_scale and global_scale must be None for a BF16 weight")
+    elif weight.dtype == torch.uint8:
+        fmt = "nvfp4"
+        _tensor("weight", weight, torch.uint8, (n, K // 2), dev)
+        if weight_scale is None or global_scale is None:
+            raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
+    else:
+        raise TypeError(f"weight must be bf16 [N, {K}] or NVFP4 uint8 [N, {K // 2}], got {weight.dtype}")
+    _tensor("q_norm_weight", q_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
+    _tensor("k_norm_weight", k_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
+    qk_eps = _eps("qk_eps", qk_eps)
+    rope = cos_sin_cache is not None
+    if rope:
+        if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
+            raise ValueError("cos_sin_cache must be an fp32 tensor [max_pos, 128] or None")
+        max_pos = cos_sin_cache.shape[0]
+        _tensor("cos_sin_cache", cos_sin_cache, torch.float32, (max_pos, HEAD_DIM), dev)
+        if not 1 <= max_pos < 2**31:
+            raise ValueError(f"cos_sin_cache must have 1 <= max_pos < 2**31 rows, got {max_pos}")
+        cs = cos_sin_cache
+    else:
+        cs = no_rope_table(dev)
+    _tensor("positions", positions, torch.int64, (m,), dev)
+    _cache("k_cache", k_cache, nkv, dev)
+    _cache("v_cache", v_cache, nkv, dev)
+    if tuple(v_cache.shape) != tuple(k_cache.shape) or v_cache.stride() != k_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape and strides, got {list(k_cache.shape)} "
+            f"{k_cache.stride()} and {list(v_cache.shape)} {v_cache.stride()}"
+        )
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+        raise ValueError("slot_mapping must be a 1-D int64 tensor of at most M entries")
+    s = slot_mapping.shape[0]
+    _tensor("slot_mapping", slot_mapping, torch.int64, (s,), dev)
+    if s > m:
+        raise ValueError(f"slot_mapping has {s} entries, more than the M = {m} tokens")
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    if fmt == "nvfp4":
+        raise LookupError("NVFP4 weights: no nvfp4 qkv kernel in this version of flint-aot")
+    norm_k = runtime.get_kernel(dev, "norm", {"residual": residual is not None})
+    qkv_k = runtime.get_kernel(dev, "qkv", {"weight_format": fmt, "rope": rope, "heads": [nq, nkv]})
+    if _bounds_check:
+        _check_bounds(positions, slot_mapping, cs.shape[0] if rope else None, nb * bs)
+
+    xn = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    q = torch.empty(m, nq * HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev)
+        res_in = residual if residual is not None else x
+        runtime.launch(
+            norm_k,
+            {"M": m},
+            [x.data_ptr(), res_in.data_ptr(), res_out.data_ptr(), xn.data_ptr(), norm_weight.data_ptr(), eps],
+            stream,
+        )
+        ws = weight_scale.data_ptr() if weight_scale is not None else weight.data_ptr()
+        gs = global_scale.data_ptr() if global_scale is not None else weight.data_ptr()
+        runtime.launch(
+            qkv_k,
+            {"ROW_BLOCKS": n // 16},
+            [
+                xn.data_ptr(),
+                weight.data_ptr(),
+                ws,
+                gs,
+                q_norm_weight.data_ptr(),
+                k_norm_weight.data_ptr(),
+                cs.data_ptr(),
+                positions.data_ptr(),
+                slot_mapping.data_ptr(),
+                q.data_ptr(),
+                k_cache.data_ptr(),
+                v_cache.data_ptr(),
+                m,
+                s,
+                cs.shape[0],
+                bs,
+                nb * bs,
+                k_cache.stride(0),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                qk_eps,
+            ],
+            stream,
+        )
+    return q, res_out
+
+
+def _check_bounds(positions, slot_mapping, max_pos, num_slots):
+    pos = positions.tolist()
+    if max_pos is not None:
+        bad = [(t, p) for t, p in enumerate(pos) if not 0 <= p < max_pos]
+        if bad:
+            raise ValueError(f"positions outside the cos/sin table [0, {max_pos}): token, position = {bad}")
+    bad = [(t, sl) for t, sl in enumerate(slot_mapping.tolist()) if sl >= num_slots]
+    if bad:
+        raise ValueError(
+            f"slots outside the cache (num_blocks * block_size = {num_slots}): token, slot = {bad}"
+        )

@@ -23,12 +23,14 @@ class Compiled:
     dyn_smem: int
 
 
-def fake_args(params, ptr_dtype):
-    """Placeholder host arguments matching a (name, type) parameter list; values are irrelevant."""
+def fake_args(params, ptr_dtype, ptr_dtypes=None):
+    """Placeholder host arguments matching a (name, type) parameter list; values are irrelevant.
+    Pointers are 16-byte aligned, of ptr_dtypes.get(name, ptr_dtype)."""
     out = []
-    for i, (_name, typ) in enumerate(params):
+    for i, (name, typ) in enumerate(params):
         if typ == "ptr":
-            out.append(make_ptr(ptr_dtype, 0x10000 * (i + 1), cute.AddressSpace.gmem, assumed_align=16))
+            dt = (ptr_dtypes or {}).get(name, ptr_dtype)
+            out.append(make_ptr(dt, 0x10000 * (i + 1), cute.AddressSpace.gmem, assumed_align=16))
         elif typ == "i32":
             out.append(Int32(1))
         elif typ == "i64":
