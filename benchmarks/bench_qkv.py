@@ -46,7 +46,6 @@ def copy_bandwidth():
     a = torch.empty(n, device="cuda")
     b = torch.empty_like(a)
     t = median_graph_us(lambda: b.copy_(a), 1, reps=10)
-    del a, b
     return 2 * n * 4 / (t * 1e-6)  # bytes read + written per second
 
 
