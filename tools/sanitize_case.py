@@ -1,0 +1,15 @@
+"""One fused qkv call per variant kind for compute-sanitizer (memcheck / racecheck / synccheck)."""
+
+import torch
+
+import loader
+from tests.test_qkv_gpu import make_case
+
+loader.load_bundle("build/flint")
+for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8)):
+    c = make_case(m, nq, nkv, rope, seed=m, slots=torch.tensor([3, -1, 70][:m], device="cuda"))
+    q, r = loader.flint_qkv_fused(**c)
+    c["residual"] = None
+    q, r = loader.flint_qkv_fused(**c)
+torch.cuda.synchronize()
+print("sanitize case done")
