@@ -78,6 +78,9 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
+        # A CTA may write a peer's shared memory only once the peer is running: arrive now, wait just
+        # before the DSMEM stores (by then every CTA of the cluster has long started).
+        cute.arch.cluster_arrive_relaxed()
         A = gemv.issue_weight_loads(w, cta * gemv.ROWS, tid)
         flat = []
         for lo, hi in A:
@@ -97,6 +100,7 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         rank = cute.arch.block_idx_in_cluster()
         hb = cute.arch.alloc_smem(BFloat16, HEAD_DIM * M8, alignment=16)
         slot_in_head = (rank * gemv.ROWS + tid % gemv.ROWS) * M8 + tid // gemv.ROWS
+        cute.arch.cluster_wait()
         remote = cute.arch.map_dsmem_ptr(hb + slot_in_head, 0)
         llvm.store(s.to(BFloat16).ir_value(), remote.to_llvm_ptr())
         cute.arch.cluster_arrive()
