@@ -65,16 +65,21 @@ def _norm(x, residual, weight, eps):
     _tensor("norm weight", weight, torch.bfloat16, (K,), dev)
     eps = _eps("eps", eps)
     k = runtime.get_kernel(dev, "norm", {"residual": residual is not None})
+    with torch.cuda.device(dev):
+        return _launch_norm(k, x, residual, weight, eps, torch.cuda.current_stream(dev))
+
+
+def _launch_norm(k, x, residual, weight, eps, stream):
+    """Allocate xn and residual_out (x itself without a residual) and launch the norm kernel k."""
     xn = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     res_in = residual if residual is not None else x
-    with torch.cuda.device(dev):
-        runtime.launch(
-            k,
-            {"M": m},
-            [x.data_ptr(), res_in.data_ptr(), res_out.data_ptr(), xn.data_ptr(), weight.data_ptr(), eps],
-            torch.cuda.current_stream(dev),
-        )
+    runtime.launch(
+        k,
+        {"M": x.shape[0]},
+        [x.data_ptr(), res_in.data_ptr(), res_out.data_ptr(), xn.data_ptr(), weight.data_ptr(), eps],
+        stream,
+    )
     return xn, res_out
 
 
@@ -225,18 +230,10 @@ def flint_qkv_fused(
     if _bounds_check:
         _check_bounds(positions, slot_mapping, cs.shape[0] if rope else None, nb * bs)
 
-    xn = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
     q = torch.empty(m, nq * HEAD_DIM, dtype=torch.bfloat16, device=dev)
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev)
-        res_in = residual if residual is not None else x
-        runtime.launch(
-            norm_k,
-            {"M": m},
-            [x.data_ptr(), res_in.data_ptr(), res_out.data_ptr(), xn.data_ptr(), norm_weight.data_ptr(), eps],
-            stream,
-        )
+        xn, res_out = _launch_norm(norm_k, x, residual, norm_weight, eps, stream)
         ws = weight_scale.data_ptr() if weight_scale is not None else weight.data_ptr()
         gs = global_scale.data_ptr() if global_scale is not None else weight.data_ptr()
         runtime.launch(
