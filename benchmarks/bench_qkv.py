@@ -1,7 +1,11 @@
 """Per-layer time of the fused qkv op (BF16 weights) under CUDA-graph replay of many layers with distinct
 weights (L2 defeated), beside cuBLAS's GEMV alone and the device copy bandwidth, all in one run (SPEC §7).
 
-    PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md]
+    PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--heads 32x4 ...] [--m 1 ...]
+        [--compare BUNDLE ...]
+
+--compare adds, per row, the fused op and the qkv kernel alone from other bundles (A/B of kernel
+versions in one run; each bundle needs the variants benchmarked).
 """
 
 import argparse
@@ -62,11 +66,17 @@ def copy_bandwidth():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--heads", nargs="*", default=None, help="e.g. 32x4 16x2 (default: all)")
+    ap.add_argument("--m", nargs="*", type=int, default=MS)
+    ap.add_argument("--compare", nargs="*", default=[], help="other bundle directories")
     args = ap.parse_args()
+    heads = HEADS if not args.heads else [tuple(int(v) for v in h.split("x")) for h in args.heads]
+    main_bundle = runtime.current_bundle().path
+    ab = []
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
-    for nq, nkv in HEADS:
+    for nq, nkv in heads:
         n = (nq + 2 * nkv) * D
         wbytes = n * K * 2
         layers = max(8, int(TARGET_BYTES // wbytes))
@@ -76,7 +86,7 @@ def main():
         qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
         kc = torch.zeros(layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
         vc = torch.zeros_like(kc)
-        for m in MS:
+        for m in args.m:
             x = torch.randn(m, K, device="cuda").bfloat16()
             r = torch.randn(m, K, device="cuda").bfloat16()
             pos = torch.arange(m, device="cuda") + 100
@@ -89,13 +99,13 @@ def main():
                     )
 
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            qkv_k = runtime.get_kernel(
-                x.device, "qkv", {"weight_format": "bf16", "rope": True, "heads": [nq, nkv]}
-            )
             q = torch.empty(m, nq * D, dtype=torch.bfloat16, device="cuda")
 
             def qkv_only():  # diagnostic: the qkv kernel chained with itself, no norm kernel between layers
                 st = torch.cuda.current_stream()
+                qkv_k = runtime.get_kernel(
+                    x.device, "qkv", {"weight_format": "bf16", "rope": True, "heads": [nq, nkv]}
+                )
                 for i in range(layers):
                     runtime.launch(
                         qkv_k,
@@ -136,6 +146,16 @@ def main():
             loader.set_pdl(True)
             t_cublas = median_graph_us(cublas, layers)
             t_qkv = median_graph_us(qkv_only, layers)
+            for path in args.compare:
+                loader.load_bundle(path)
+                try:
+                    ab.append((f"({nq},{nkv})", m, path, median_graph_us(fused, layers),
+                               median_graph_us(qkv_only, layers)))  # fmt: skip
+                    print(ab[-1], flush=True)
+                except LookupError as e:  # this bundle lacks the variant
+                    print(f"skip {path}: {e}", flush=True)
+                finally:
+                    loader.load_bundle(main_bundle)
             limit = wbytes / bw * 1e6
             rows.append(
                 (
@@ -166,6 +186,10 @@ def main():
         for tq, h, m, lay, mb, tf, tn, tc, lim, pct in rows
     )
     text = head + body
+    if ab:
+        text += f"\nA/B against {main_bundle} (µs per layer):\n\n"
+        text += "| heads | M | bundle | fused | qkv kernel alone |\n|---|---|---|---|---|\n"
+        text += "".join(f"| {h} | {m} | {p} | {f:.2f} | {q:.2f} |\n" for h, m, p, f, q in ab)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -24,6 +24,9 @@ from loader.manifest import ARCH_CC
 ARCHS = tuple(ARCH_CC)
 WEIGHT_FORMATS = ("bf16", "nvfp4")
 MAX_HEADS = 128
+# norm.debug_spin_cycles: a debug build of the norm kernel that busy-waits this many clock cycles before
+# writing xn (a slow producer; proves that the qkv kernel waits for it). Never for serving.
+MAX_SPIN = 1 << 31
 
 
 class ConfigError(ValueError):
@@ -44,7 +47,8 @@ class Specialization:
 
 def spec_name(kind: str, spec: dict) -> str:
     if kind == "norm":
-        return f"norm_res{int(spec['residual'])}"
+        spin = spec.get("debug_spin_cycles")
+        return f"norm_res{int(spec['residual'])}" + (f"_spin{spin}" if spin else "")
     if kind == "qkv":
         q, kv = spec["heads"]
         return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{kv}"
@@ -117,8 +121,14 @@ def validate(raw, source: str = "<config>") -> dict:
     c.mapping(raw, "", {"archs": True, "norm": False, "qkv": False})
     out = {"archs": list(c.choices(raw["archs"], "archs", ARCHS))}
     if "norm" in raw:
-        n = c.mapping(raw["norm"], "norm", {"residual": True})
+        n = c.mapping(raw["norm"], "norm", {"residual": True, "debug_spin_cycles": False})
         out["norm"] = {"residual": list(c.bools(n["residual"], "norm.residual"))}
+        if "debug_spin_cycles" in n:
+            v = n["debug_spin_cycles"]
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SPIN:
+                c.fail("norm.debug_spin_cycles", v, f"an integer in 0..{MAX_SPIN} (0 = off)")
+            if v:
+                out["norm"]["debug_spin_cycles"] = v
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True})
         out["qkv"] = {
@@ -150,8 +160,9 @@ def expand(config: dict) -> list[Specialization]:
     """Every (kernel, specialization, arch) of a validated config, in a stable order."""
     specs: list[tuple[str, dict]] = []
     if "norm" in config:
+        spin = config["norm"].get("debug_spin_cycles")
         for res in config["norm"]["residual"]:
-            specs.append(("norm", {"residual": res}))
+            specs.append(("norm", {"residual": res, **({"debug_spin_cycles": spin} if spin else {})}))
     if "qkv" in config:
         q = config["qkv"]
         for fmt, rope, heads in itertools.product(q["weight_format"], q["rope"], q["heads"]):

@@ -90,13 +90,19 @@ def select_entry(bundle: Bundle, cc: tuple[int, int], kind: str, spec: dict) -> 
             "with `flint-aot build CONFIG -o BUNDLE`"
         )
     for e in bundle.manifest.kernels:
-        if e.arch == arch and e.kind == kind and e.spec == spec:
+        if e.arch == arch and e.kind == kind and _serving_spec(e.spec) == spec:
             return e
     have = sorted({_spec_str(e.spec) for e in bundle.manifest.kernels if e.kind == kind and e.arch == arch})
     raise LookupError(
         f"bundle {bundle.path} has no {kind} kernel for {_spec_str(spec)} on {arch}; it has: "
         f"{'; '.join(have) or 'none'}. Add it to the config and rebuild"
     )
+
+
+def _serving_spec(spec: dict) -> dict:
+    """The spec without its debug_* keys: a debug bundle (e.g. a norm kernel built with
+    debug_spin_cycles) serves the same calls as a normal one."""
+    return {k: v for k, v in spec.items() if not k.startswith("debug_")}
 
 
 def _spec_str(spec: dict) -> str:

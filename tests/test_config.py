@@ -37,6 +37,18 @@ def test_expansion_of_small_matrix():
     assert all(s.arch == "sm_90a" and s.kind == "qkv" for s in specs)
 
 
+def test_debug_spin_norm():
+    cfg = load_config("configs/debug_slow_producer.yaml")
+    norms = [s for s in expand(cfg) if s.kind == "norm"]
+    assert [s.name for s in norms] == ["norm_res1_spin2000000", "norm_res0_spin2000000"]
+    assert norms[0].spec == {"residual": True, "debug_spin_cycles": 2000000}
+    off = validate({"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": 0}})
+    assert expand(off)[0].spec == {"residual": True} and expand(off)[0].name == "norm_res1"
+    for bad in (-1, True, 1.5, "10", 1 << 40):
+        _err({"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": bad}},
+             "norm.debug_spin_cycles", "0..")
+
+
 def test_valid_config_roundtrip():
     assert validate(GOOD) == GOOD
 

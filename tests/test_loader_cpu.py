@@ -31,11 +31,11 @@ def test_arch_selection_and_missing_arch():
     from loader.manifest import KernelEntry, Manifest, Param
     from loader.runtime import select_entry
 
-    def entry(arch, res):
+    def entry(arch, res, **debug):
         return KernelEntry(
             "norm",
-            f"norm_res{int(res)}",
-            {"residual": res},
+            f"norm_res{int(res)}" + "".join(f"_{k}" for k in debug),
+            {"residual": res, **debug},
             arch,
             f"n.{arch}.cubin",
             1,
@@ -58,6 +58,9 @@ def test_arch_selection_and_missing_arch():
         select_entry(b, (8, 0), "norm", {"residual": True})
     with pytest.raises(LookupError, match="no qkv kernel"):
         select_entry(b, (10, 0), "qkv", {"weight_format": "bf16"})
+    # a debug build (debug_* spec keys) serves the same calls
+    d = Bundle(ROOT, Manifest("g", "4.8.1", {}, [entry("sm_90a", True, debug_spin_cycles=5)]))
+    assert select_entry(d, (9, 0), "norm", {"residual": True}).spec["debug_spin_cycles"] == 5
 
 
 def test_param_offsets_natural_alignment():

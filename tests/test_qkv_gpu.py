@@ -215,3 +215,38 @@ def test_bad_inputs_raise_and_write_nothing(gpu_bundle):
     q, r = loader.flint_qkv_fused(**base)  # the context is still healthy
     torch.cuda.synchronize()
     assert not q.isnan().any()
+
+
+def test_slow_producer(gpu_bundle):
+    """A debug bundle whose norm kernel busy-waits ~1 ms before writing xn (configs/debug_slow_producer.yaml,
+    built into build/debug or $FLINT_AOT_DEBUG_BUNDLE): the qkv kernel, which starts streaming its weights
+    as soon as the norm kernel starts, must still read the new xn. Inputs change between calls, so a kernel
+    that did not wait would read the previous call's activations (or garbage) and fail the comparison."""
+    import os
+
+    import loader
+    from tests.conftest import ROOT
+
+    path = os.environ.get("FLINT_AOT_DEBUG_BUNDLE") or str(ROOT / "build" / "debug")
+    if not os.path.exists(os.path.join(path, "manifest.json")):
+        how = f"no debug bundle at {path}: flint-aot build configs/debug_slow_producer.yaml -o {path}"
+        if os.environ.get("FLINT_REQUIRE_DEBUG_BUNDLE"):
+            pytest.fail(how)
+        pytest.skip(how)
+    b = loader.load_bundle(path)
+    try:
+        norms = [e for e in b.manifest.kernels if e.kind == "norm" and e.arch == "sm_90a"]
+        assert norms and all(e.spec.get("debug_spin_cycles", 0) >= 1_000_000 for e in norms)
+        for i, (rope, (nq, nkv)) in enumerate(_variants(b)):
+            for m in (1, 5, 8):
+                c = make_case(m, nq, nkv, rope, seed=7000 + 10 * m + i, residual=(m % 2 == 1))
+                kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                q, res_out = run(c)
+                e1.record()
+                torch.cuda.synchronize()
+                assert e0.elapsed_time(e1) > 0.3, "the debug norm kernel did not spin: wrong bundle?"
+                check(c, q, res_out, kb, vb)
+    finally:
+        loader.load_bundle(gpu_bundle.path)

@@ -69,10 +69,12 @@ def store_vec(ptr, val, n):
     cute.autovec_copy(r, cute.make_tensor(ptr, cute.make_layout(n)))
 
 
-def spin_cycles(n):
+@cute.jit
+def spin_cycles(n: cutlass.Constexpr):
     t0 = cute.arch.clock64()
-    while cute.arch.clock64() - t0 < Int64(n):
-        pass
+    t = t0
+    while t - t0 < Int64(n):
+        t = cute.arch.clock64()
 
 
 __all__ = ["BFloat16", "Float32", "Int32", "Int64", "cutlass"]

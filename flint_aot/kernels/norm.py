@@ -94,7 +94,7 @@ def make_kernel(residual: bool, entry_prefix: str, spin: int = 0):
 
 
 def compile(spec: dict, arch: str, entry_prefix: str) -> common.Compiled:
-    host = make_kernel(bool(spec["residual"]), entry_prefix, int(spec.get("spin", 0)))
+    host = make_kernel(bool(spec["residual"]), entry_prefix, int(spec.get("debug_spin_cycles", 0)))
     args = common.fake_args(PARAMS, cutlass.BFloat16)
     return common.compile_host(
         host,

@@ -63,9 +63,25 @@ def _at(ptr, idx):
     return cute.make_tensor(ptr + idx, cute.make_layout(1))
 
 
+@cute.jit
+def _store_cache(cache, slot, nslots, bs, s0, s1, s2, kvh, dim, val):
+    """cache[slot // bs, slot % bs, kvh, dim] = val, for 0 <= slot < nslots only."""
+    if slot >= 0 and slot < nslots:
+        _at(cache, (slot // bs) * s0 + (slot % bs) * s1 + kvh * s2 + dim)[0] = val
+
+
+def _f32_bits(v):
+    return Int32(llvm.bitcast(Int32.mlir_type, v.ir_value()))
+
+
 def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix: str):
     assert weight_format == "bf16", "nvfp4 is not implemented yet"
     M8 = gemv.MAX_M
+    R = gemv.ROWS
+    HALF = HEAD_DIM // 2
+    # bytes each CTA of a q/k head receives over DSMEM: the 8 ranks' per-token sums of squares, and
+    # (RoPE) the 16 x 8 values of its rotation partner (rank ^ 4), as fp32
+    rx_bytes = CLUSTER * M8 * 4 + (R * M8 * 4 if rope else 0)
 
     @cute.kernel
     def qkv(
@@ -78,10 +94,31 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
-        # A CTA may write a peer's shared memory only once the peer is running: arrive now, wait just
-        # before the DSMEM stores (by then every CTA of the cluster has long started).
-        cute.arch.cluster_arrive_relaxed()
-        A = gemv.issue_weight_loads(w, cta * gemv.ROWS, tid)
+        head = cta // CLUSTER  # uniform over the cluster
+        rank = cute.arch.block_idx_in_cluster()
+        is_v = head >= nq + nkv
+        r = tid % R  # after reduce_rows: this thread's row (within the CTA) and token
+        tk = tid // R
+        dim = rank * R + r
+        ssq = cute.arch.alloc_smem(Float32, CLUSTER * M8, alignment=16)  # [src rank][token]
+        pv = cute.arch.alloc_smem(Float32, R * M8, alignment=16)  # partner rows [row][token]
+        mbar = cute.arch.alloc_smem(Int64, 1, alignment=8)
+        if not is_v:
+            # Peers st.async into this CTA's smem and complete bytes on its mbarrier: initialise it and
+            # arrive on the cluster barrier now; the wait just before the first remote store guarantees
+            # every peer has initialised its own.
+            if tid == 0:
+                cute.arch.mbarrier_init(mbar, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, rx_bytes)
+            cute.arch.cluster_arrive_relaxed()
+        # q/k norm weights of this thread's dim and of its rotation partner (model constants)
+        qw = cute.make_tensor(qnw, cute.make_layout(HEAD_DIM))
+        kw = cute.make_tensor(knw, cute.make_layout(HEAD_DIM))
+        wn = Float32(cutlass.select_(head < nq, qw[dim].to(Float32), kw[dim].to(Float32)))
+        wp = Float32(cutlass.select_(head < nq, qw[dim ^ HALF].to(Float32), kw[dim ^ HALF].to(Float32)))
+
+        A = gemv.issue_weight_loads(w, cta * R, tid)
         flat = []
         for lo, hi in A:
             flat.extend(lo)
@@ -89,88 +126,57 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         zero = gemv.runtime_zero(flat, m)
         if zero == 0:  # always true; keeps the weight loads above the wait
             cute.arch.griddepcontrol_wait()
+        # per-token inputs of the epilogue, issued now so their latency hides under the GEMV
+        slot = Int64(-1)
+        if tk < nsm:
+            slot = cute.make_tensor(slots, cute.make_layout(M8))[tk]
+        c = Float32(1.0)
+        sn = Float32(0.0)
+        ok = True
+        if cutlass.const_expr(rope):
+            p = cute.make_tensor(pos, cute.make_layout(M8))[cutlass.min(tk, m - 1)]
+            ok = p >= 0 and p < max_pos
+            row = Int64(cutlass.select_(ok, p, Int64(0))) * HEAD_DIM + dim % HALF
+            c = _at(cs, row)[0]
+            sn = _at(cs, row + HALF)[0]
+
         d = gemv.mma_partials(A, xn, m, tid, zero)
         red = cute.make_tensor(
-            cute.arch.alloc_smem(Float32, gemv.WARPS * gemv.ROWS * 8, alignment=16),
-            cute.make_layout(gemv.WARPS * gemv.ROWS * 8),
+            cute.arch.alloc_smem(Float32, gemv.WARPS * R * 8, alignment=16),
+            cute.make_layout(gemv.WARPS * R * 8),
         )
-        s = gemv.reduce_rows(d, tid, red)  # row tid % 16, token tid // 16
+        h = gemv.reduce_rows(d, tid, red).to(BFloat16)  # qkv[tk, head * 128 + dim], rounded once
 
-        # ---- gather the head's rows in rank 0 (DSMEM): head_buf[row][token], bf16
-        rank = cute.arch.block_idx_in_cluster()
-        hb = cute.arch.alloc_smem(BFloat16, HEAD_DIM * M8, alignment=16)
-        slot_in_head = (rank * gemv.ROWS + tid % gemv.ROWS) * M8 + tid // gemv.ROWS
-        cute.arch.cluster_wait()
-        remote = cute.arch.map_dsmem_ptr(hb + slot_in_head, 0)
-        llvm.store(s.to(BFloat16).ir_value(), remote.to_llvm_ptr())
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-
-        if rank == 0:
-            head = cta // CLUSTER
-            dim = tid
-            hbt = cute.make_tensor(hb, cute.make_layout(HEAD_DIM * M8))
-            st = cute.make_tensor(slots, cute.make_layout(M8))
-            if head >= nq + nkv:  # v head: raw bf16 rows into v_cache
-                kvh = head - (nq + nkv)
-                for t in cutlass.range_constexpr(M8):
-                    if t < m and t < nsm:
-                        slot = st[t]
-                        if slot >= 0 and slot < nslots:
-                            off = (slot // bs) * s0 + (slot % bs) * s1 + kvh * s2 + dim
-                            _at(vc, off)[0] = hbt[dim * M8 + t]
-            else:
-                wq = cute.make_tensor(qnw, cute.make_layout(HEAD_DIM))[dim].to(Float32)
-                wk = cute.make_tensor(knw, cute.make_layout(HEAD_DIM))[dim].to(Float32)
-                wn = Float32(cutlass.select_(head < nq, wq, wk))
-                vals = [hbt[dim * M8 + t].to(Float32) for t in range(M8)]
-                red2 = cute.make_tensor(cute.arch.alloc_smem(Float32, gemv.WARPS * M8, alignment=16),
-                                        cute.make_layout(gemv.WARPS * M8))  # fmt: skip
-                warp = tid // 32
-                for t in cutlass.range_constexpr(M8):
-                    ss = cute.arch.warp_reduction_sum(vals[t] * vals[t])
-                    if tid % 32 == 0:
-                        red2[warp * M8 + t] = ss
-                cute.arch.sync_threads()
-                ys = []
-                for t in cutlass.range_constexpr(M8):
-                    tot = red2[t]
-                    for q_ in cutlass.range_constexpr(1, gemv.WARPS):
-                        tot = tot + red2[q_ * M8 + t]
-                    inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + eps)
-                    ys.append(vals[t] * inv * wn)
-                if cutlass.const_expr(rope):
-                    yb = cute.make_tensor(cute.arch.alloc_smem(Float32, M8 * HEAD_DIM, alignment=16),
-                                          cute.make_layout(M8 * HEAD_DIM))  # fmt: skip
-                    for t in cutlass.range_constexpr(M8):
-                        yb[t * HEAD_DIM + dim] = ys[t]
-                    cute.arch.sync_threads()
-                    pt = cute.make_tensor(pos, cute.make_layout(M8))
-                    sign = Float32(cutlass.select_(dim < HEAD_DIM // 2, Float32(-1.0), Float32(1.0)))
-                    half = dim % (HEAD_DIM // 2)
-                    outs = []
-                    for t in cutlass.range_constexpr(M8):
-                        p = pt[cutlass.min(t, m - 1)]
-                        ok = p >= 0 and p < max_pos
-                        ps = Int64(cutlass.select_(ok, p, Int64(0)))
-                        c = _at(cs, ps * HEAD_DIM + half)[0]
-                        sn = _at(cs, ps * HEAD_DIM + HEAD_DIM // 2 + half)[0]
-                        other = yb[t * HEAD_DIM + (dim ^ (HEAD_DIM // 2))]
-                        r = ys[t] * c + sign * other * sn
-                        outs.append(Float32(cutlass.select_(ok, r, Float32(float("nan")))))
-                    ys = outs
+        if is_v:
+            if tk < m:
+                _store_cache(vc, slot, nslots, bs, s0, s1, s2, head - (nq + nkv), dim, h)
+        else:
+            hv = h.to(Float32)
+            part = hv * hv  # this CTA's 16 dims of token tk: a 16-lane butterfly (same sum in every lane)
+            for o in (1, 2, 4, 8):
+                part = part + cute.arch.shuffle_sync_bfly(part, o)
+            cute.arch.cluster_wait()
+            if r < CLUSTER:  # lane r sends the partial to rank r
+                cute.arch.store_async_dsmem(ssq + (rank * M8 + tk), _f32_bits(part), mbar, r)
+            if cutlass.const_expr(rope):
+                cute.arch.store_async_dsmem(pv + (r * M8 + tk), _f32_bits(hv), mbar, rank ^ (CLUSTER // 2))
+            cute.arch.mbarrier_wait(mbar, 0)
+            st = cute.make_tensor(ssq, cute.make_layout(CLUSTER * M8))
+            tot = st[tk]
+            for j in range(1, CLUSTER):  # rank order: the same sum in every CTA of the head
+                tot = tot + st[j * M8 + tk]
+            inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + eps)
+            y = hv * inv * wn
+            if cutlass.const_expr(rope):
+                yp = cute.make_tensor(pv, cute.make_layout(R * M8))[r * M8 + tk] * inv * wp
+                sign = Float32(cutlass.select_(dim < HALF, Float32(-1.0), Float32(1.0)))
+                y = Float32(cutlass.select_(ok, y * c + sign * yp * sn, Float32(float("nan"))))
+            yb = y.to(BFloat16)
+            if tk < m:
                 if head < nq:
-                    for t in cutlass.range_constexpr(M8):
-                        if t < m:
-                            _at(q, t * (nq * HEAD_DIM) + head * HEAD_DIM + dim)[0] = ys[t].to(BFloat16)
+                    _at(q, tk * (nq * HEAD_DIM) + head * HEAD_DIM + dim)[0] = yb
                 else:
-                    kvh = head - nq
-                    for t in cutlass.range_constexpr(M8):
-                        if t < m and t < nsm:
-                            slot = st[t]
-                            if slot >= 0 and slot < nslots:
-                                off = (slot // bs) * s0 + (slot % bs) * s1 + kvh * s2 + dim
-                                _at(kc, off)[0] = ys[t].to(BFloat16)
+                    _store_cache(kc, slot, nslots, bs, s0, s1, s2, head - nq, dim, yb)
 
     qkv.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
 
