@@ -1,8 +1,9 @@
-"""Per-layer time of the fused qkv op (BF16 weights) under CUDA-graph replay of many layers with distinct
-weights (L2 defeated), beside cuBLAS's GEMV alone and the device copy bandwidth, all in one run (SPEC §7).
+"""Per-layer time of the fused qkv op (BF16 and NVFP4 weights) under CUDA-graph replay of many layers with
+distinct weights (L2 defeated), beside cuBLAS's GEMV alone and the device copy bandwidth, all in one run
+(SPEC §7).
 
     PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--heads 32x4 ...] [--m 1 ...]
-        [--compare BUNDLE ...]
+        [--fmt bf16 nvfp4] [--compare BUNDLE ...]
 
 --compare adds, per row, the fused op and the qkv kernel alone from other bundles (A/B of kernel
 versions in one run; each bundle needs the variants benchmarked).
@@ -63,11 +64,26 @@ def copy_bandwidth():
     return 2 * n * 4 / (t * 1e-6)
 
 
+def make_weights(fmt, n, layers):
+    """Distinct weights per layer: bf16 [N, K]; or NVFP4 random codes, e4m3 scales in [2^-3, 2^2), gs 0.01."""
+    if fmt == "bf16":
+        return [((torch.randn(n, K, device="cuda") * 0.02).bfloat16(), None, None) for _ in range(layers)]
+    gs = torch.tensor([0.01], device="cuda")
+    out = []
+    for _ in range(layers):
+        codes = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, device="cuda")
+        sc = torch.randint(0x18, 0x38, (n, K // 16), dtype=torch.uint8, device="cuda")
+        sc = sc.view(torch.float8_e4m3fn)
+        out.append((codes, sc, gs))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--heads", nargs="*", default=None, help="e.g. 32x4 16x2 (default: all)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
+    ap.add_argument("--fmt", nargs="*", default=["bf16", "nvfp4"])
     ap.add_argument("--compare", nargs="*", default=[], help="other bundle directories")
     args = ap.parse_args()
     heads = HEADS if not args.heads else [tuple(int(v) for v in h.split("x")) for h in args.heads]
@@ -76,120 +92,93 @@ def main():
     torch.manual_seed(0)
     bw = copy_bandwidth()
     rows = []
+    cublas_us = {}
     for nq, nkv in heads:
         n = (nq + 2 * nkv) * D
-        wbytes = n * K * 2
-        layers = max(8, int(TARGET_BYTES // wbytes))
-        ws = [(torch.randn(n, K, device="cuda") * 0.02).bfloat16() for _ in range(layers)]
-        cs = make_cos_sin_cache(4096, device="cuda")
-        nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
-        qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
-        kc = torch.zeros(layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
-        vc = torch.zeros_like(kc)
-        for m in args.m:
-            x = torch.randn(m, K, device="cuda").bfloat16()
-            r = torch.randn(m, K, device="cuda").bfloat16()
-            pos = torch.arange(m, device="cuda") + 100
-            slots = torch.arange(m, device="cuda") + 32
+        for fmt in args.fmt:
+            wbytes = n * K * 2 if fmt == "bf16" else n * K // 2 + n * K // 16
+            layers = max(8, int(TARGET_BYTES // wbytes))
+            ws = make_weights(fmt, n, layers)
+            cs = make_cos_sin_cache(4096, device="cuda")
+            nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
+            qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
+            kc = torch.zeros(layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
+            vc = torch.zeros_like(kc)
+            for m in args.m:
+                x = torch.randn(m, K, device="cuda").bfloat16()
+                r = torch.randn(m, K, device="cuda").bfloat16()
+                pos = torch.arange(m, device="cuda") + 100
+                slots = torch.arange(m, device="cuda") + 32
 
-            def fused():
-                for i in range(layers):
-                    loader.flint_qkv_fused(
-                        x, r, nw, 1e-6, ws[i], None, None, qn, qn, 1e-6, cs, pos, kc[i], vc[i], slots, nq, nkv
+                def fused():
+                    for i in range(layers):
+                        w, sc, gs = ws[i]
+                        loader.flint_qkv_fused(
+                            x, r, nw, 1e-6, w, sc, gs, qn, qn, 1e-6, cs, pos, kc[i], vc[i], slots, nq, nkv
+                        )
+
+                out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                q = torch.empty(m, nq * D, dtype=torch.bfloat16, device="cuda")
+
+                def qkv_only():  # diagnostic: the qkv kernel chained with itself, no norm kernel between
+                    st = torch.cuda.current_stream()
+                    qkv_k = runtime.get_kernel(
+                        x.device, "qkv", {"weight_format": fmt, "rope": True, "heads": [nq, nkv]}
                     )
+                    for i in range(layers):
+                        w, sc, gs = ws[i]
+                        args_ = [x.data_ptr(), w.data_ptr(), (sc if sc is not None else w).data_ptr(),
+                                 (gs if gs is not None else w).data_ptr(), qn.data_ptr(), qn.data_ptr(),
+                                 cs.data_ptr(), pos.data_ptr(), slots.data_ptr(), q.data_ptr(),
+                                 kc[i].data_ptr(), vc[i].data_ptr(), m, m, cs.shape[0], 16, 64 * 16,
+                                 kc[i].stride(0), kc[i].stride(1), kc[i].stride(2), 1e-6]  # fmt: skip
+                        runtime.launch(qkv_k, {"ROW_BLOCKS": n // 16}, args_, st)
 
-            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            q = torch.empty(m, nq * D, dtype=torch.bfloat16, device="cuda")
+                def cublas():
+                    for i in range(layers):
+                        torch.matmul(x, ws[i][0].t(), out=out)
 
-            def qkv_only():  # diagnostic: the qkv kernel chained with itself, no norm kernel between layers
-                st = torch.cuda.current_stream()
-                qkv_k = runtime.get_kernel(
-                    x.device, "qkv", {"weight_format": "bf16", "rope": True, "heads": [nq, nkv]}
-                )
-                for i in range(layers):
-                    runtime.launch(
-                        qkv_k,
-                        {"ROW_BLOCKS": n // 16},
-                        [
-                            x.data_ptr(),
-                            ws[i].data_ptr(),
-                            0,
-                            0,
-                            qn.data_ptr(),
-                            qn.data_ptr(),
-                            cs.data_ptr(),
-                            pos.data_ptr(),
-                            slots.data_ptr(),
-                            q.data_ptr(),
-                            kc[i].data_ptr(),
-                            vc[i].data_ptr(),
-                            m,
-                            m,
-                            cs.shape[0],
-                            16,
-                            64 * 16,
-                            kc[i].stride(0),
-                            kc[i].stride(1),
-                            kc[i].stride(2),
-                            1e-6,
-                        ],
-                        st,
-                    )
-
-            def cublas():
-                for i in range(layers):
-                    torch.matmul(x, ws[i].t(), out=out)
-
-            t_fused = median_graph_us(fused, layers)
-            loader.set_pdl(False)
-            t_nopdl = median_graph_us(fused, layers)
-            loader.set_pdl(True)
-            t_cublas = median_graph_us(cublas, layers)
-            t_qkv = median_graph_us(qkv_only, layers)
-            for path in args.compare:
-                loader.load_bundle(path)
-                try:
-                    ab.append((f"({nq},{nkv})", m, path, median_graph_us(fused, layers),
-                               median_graph_us(qkv_only, layers)))  # fmt: skip
-                    print(ab[-1], flush=True)
-                except LookupError as e:  # this bundle lacks the variant
-                    print(f"skip {path}: {e}", flush=True)
-                finally:
-                    loader.load_bundle(main_bundle)
-            limit = wbytes / bw * 1e6
-            rows.append(
-                (
-                    t_qkv,
-                    f"({nq},{nkv})",
-                    m,
-                    layers,
-                    wbytes / 1e6,
-                    t_fused,
-                    t_nopdl,
-                    t_cublas,
-                    limit,
-                    100 * limit / t_fused,
-                )
-            )
-            print(rows[-1], flush=True)
-        ws = kc = vc = None  # free before the next shape
-        torch.cuda.empty_cache()
+                t_fused = median_graph_us(fused, layers)
+                loader.set_pdl(False)
+                t_nopdl = median_graph_us(fused, layers)
+                loader.set_pdl(True)
+                if fmt == "bf16":
+                    cublas_us[(nq, nkv, m)] = median_graph_us(cublas, layers)
+                t_cublas = cublas_us.get((nq, nkv, m), float("nan"))
+                t_qkv = median_graph_us(qkv_only, layers)
+                for path in args.compare:
+                    loader.load_bundle(path)
+                    try:
+                        ab.append((f"({nq},{nkv})", fmt, m, path, median_graph_us(fused, layers),
+                                   median_graph_us(qkv_only, layers)))  # fmt: skip
+                        print(ab[-1], flush=True)
+                    except LookupError as e:  # this bundle lacks the variant
+                        print(f"skip {path}: {e}", flush=True)
+                    finally:
+                        loader.load_bundle(main_bundle)
+                limit = wbytes / bw * 1e6
+                rows.append((f"({nq},{nkv})", fmt, m, layers, wbytes / 1e6, t_fused, t_nopdl, t_cublas, limit,
+                             100 * limit / t_fused, t_qkv))  # fmt: skip
+                print(rows[-1], flush=True)
+            ws = kc = vc = None  # free before the next shape
+            torch.cuda.empty_cache()
     head = (
         f"copy bandwidth (read+write, 4 GiB device copy, graph, median): {bw / 1e12:.2f} TB/s\n\n"
-        "| heads | M | layers | weight MB | fused µs/layer | fused, no PDL | cuBLAS GEMV alone | "
-        "limit µs (weights / copy BW) | % of copy BW | cuBLAS / fused | qkv kernel alone (no norm) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| heads | weights | M | layers | weight MB | fused µs/layer | fused, no PDL | "
+        "cuBLAS BF16 GEMV alone | limit µs (weights / copy BW) | % of copy BW | cuBLAS / fused | "
+        "qkv kernel alone (no norm) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
-        f"| {h} | {m} | {lay} | {mb:.1f} | {tf:.2f} | {tn:.2f} | {tc:.2f} | {lim:.2f} | {pct:.0f}% | "
+        f"| {h} | {fmt} | {m} | {lay} | {mb:.1f} | {tf:.2f} | {tn:.2f} | {tc:.2f} | {lim:.2f} | {pct:.0f}% | "
         f"{tc / tf:.2f}x | {tq:.2f} |\n"
-        for tq, h, m, lay, mb, tf, tn, tc, lim, pct in rows
+        for h, fmt, m, lay, mb, tf, tn, tc, lim, pct, tq in rows
     )
     text = head + body
     if ab:
         text += f"\nA/B against {main_bundle} (µs per layer):\n\n"
-        text += "| heads | M | bundle | fused | qkv kernel alone |\n|---|---|---|---|---|\n"
-        text += "".join(f"| {h} | {m} | {p} | {f:.2f} | {q:.2f} |\n" for h, m, p, f, q in ab)
+        text += "| heads | weights | M | bundle | fused | qkv kernel alone |\n|---|---|---|---|---|---|\n"
+        text += "".join(f"| {h} | {f_} | {m} | {p} | {f:.2f} | {q:.2f} |\n" for h, f_, m, p, f, q in ab)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

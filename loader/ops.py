@@ -17,7 +17,9 @@ MAX_M = 8
 
 
 # ----------------------------------------------------------------------------- validation helpers
-def _tensor(name: str, t, dtype: torch.dtype, shape: tuple | None = None, device=None) -> torch.Tensor:
+def _tensor(
+    name: str, t, dtype: torch.dtype, shape: tuple | None = None, device=None, align: int = 16
+) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -30,8 +32,8 @@ def _tensor(name: str, t, dtype: torch.dtype, shape: tuple | None = None, device
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned (data_ptr % 16 = {t.data_ptr() % 16})")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name} must be {align}-byte aligned (data_ptr % {align} = {t.data_ptr() % align})")
     return t
 
 
@@ -192,6 +194,19 @@ def flint_qkv_fused(
         _tensor("weight", weight, torch.uint8, (n, K // 2), dev)
         if weight_scale is None or global_scale is None:
             raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
+        if not isinstance(weight_scale, torch.Tensor):
+            raise TypeError(f"weight_scale must be a torch.Tensor, got {type(weight_scale).__name__}")
+        if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise TypeError(
+                "weight_scale must be torch.float8_e4m3fn (or a torch.uint8 view of it), "
+                f"got {weight_scale.dtype}"
+            )
+        _tensor("weight_scale", weight_scale, weight_scale.dtype, (n, K // 16), dev, align=4)
+        if not isinstance(global_scale, torch.Tensor):
+            raise TypeError(f"global_scale must be a torch.Tensor, got {type(global_scale).__name__}")
+        if global_scale.numel() != 1:
+            raise ValueError(f"global_scale must hold one fp32 element, got shape {list(global_scale.shape)}")
+        _tensor("global_scale", global_scale.reshape(1), torch.float32, (1,), dev, align=4)
     else:
         raise TypeError(f"weight must be bf16 [N, {K}] or NVFP4 uint8 [N, {K // 2}], got {weight.dtype}")
     _tensor("q_norm_weight", q_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
@@ -223,8 +238,6 @@ def flint_qkv_fused(
     if s > m:
         raise ValueError(f"slot_mapping has {s} entries, more than the M = {m} tokens")
     nb, bs = k_cache.shape[0], k_cache.shape[1]
-    if fmt == "nvfp4":
-        raise LookupError("NVFP4 weights: no nvfp4 qkv kernel in this version of flint-aot")
     norm_k = runtime.get_kernel(dev, "norm", {"residual": residual is not None})
     qkv_k = runtime.get_kernel(dev, "qkv", {"weight_format": fmt, "rope": rope, "heads": [nq, nkv]})
     if _bounds_check:
@@ -234,8 +247,9 @@ def flint_qkv_fused(
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev)
         xn, res_out = _launch_norm(norm_k, x, residual, norm_weight, eps, stream)
-        ws = weight_scale.data_ptr() if weight_scale is not None else weight.data_ptr()
-        gs = global_scale.data_ptr() if global_scale is not None else weight.data_ptr()
+        # BF16 kernels never read the scale pointers: pass the weight's
+        ws = weight_scale.data_ptr() if fmt == "nvfp4" else weight.data_ptr()
+        gs = global_scale.data_ptr() if fmt == "nvfp4" else weight.data_ptr()
         runtime.launch(
             qkv_k,
             {"ROW_BLOCKS": n // 16},

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from flint_aot.reference import expected_cache, make_cos_sin_cache, qkv_fused_ref, rms_norm_ref
+from flint_aot.reference import (
+    dequantize_nvfp4,
+    expected_cache,
+    make_cos_sin_cache,
+    qkv_fused_ref,
+    quantize_nvfp4,
+    rms_norm_ref,
+)
 from tests.conftest import needs_gpu
 
 pytestmark = needs_gpu
@@ -26,8 +33,12 @@ def _rel(a, b):
 
 
 def make_case(
-    m, nq, nkv, rope, seed, residual=True, num_blocks=16, block_size=16, split_kv=False, slots=None
-):
+    m, nq, nkv, rope, seed, residual=True, num_blocks=16, block_size=16, split_kv=False, slots=None,
+    fmt="bf16", scale_u8=False,
+):  # fmt: skip
+    """Fresh random inputs for one call; keys starting with '_' are for the checks, not the op.
+    fmt="nvfp4" quantizes the random weight (reference: the float64 dequantization); scale_u8 passes the
+    block scales as a uint8 view."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
     n = (nq + 2 * nkv) * D
@@ -59,13 +70,24 @@ def make_case(
         slots = torch.randperm(num_blocks * block_size, device="cuda", generator=g)[:m]
     c["slot_mapping"] = slots
     c["num_q_heads"], c["num_kv_heads"] = nq, nkv
+    c["_w_dense"] = c["weight"]
+    if fmt == "nvfp4":
+        packed, scales, gs = quantize_nvfp4(c["weight"])
+        gs = gs.to("cuda")
+        c["_w_dense"] = dequantize_nvfp4(packed, scales, gs)
+        c["weight"], c["global_scale"] = packed, gs
+        c["weight_scale"] = scales.view(torch.uint8) if scale_u8 else scales
     return c
+
+
+def op_args(c):
+    return {k: v for k, v in c.items() if not k.startswith("_")}
 
 
 def run(c):
     import loader
 
-    return loader.flint_qkv_fused(**c)
+    return loader.flint_qkv_fused(**op_args(c))
 
 
 def check(c, q, res_out, k_before, v_before):
@@ -75,7 +97,7 @@ def check(c, q, res_out, k_before, v_before):
         c["residual"],
         c["norm_weight"],
         c["eps"],
-        c["weight"],
+        c["_w_dense"],
         c["q_norm_weight"],
         c["k_norm_weight"],
         c["qk_eps"],
@@ -98,34 +120,40 @@ def check(c, q, res_out, k_before, v_before):
             assert _rel(got[w], exp[w]) < 1e-2, name
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", range(1, 9))
-def test_every_bf16_variant(gpu_bundle, m):
-    variants = _variants(gpu_bundle)
-    assert variants, "the bundle has no BF16 qkv kernels"
+def test_every_variant(gpu_bundle, m, fmt):
+    variants = _variants(gpu_bundle, fmt)
+    assert variants, f"the bundle has no {fmt} qkv kernels"
     for i, (rope, (nq, nkv)) in enumerate(variants):
-        c = make_case(m, nq, nkv, rope, seed=1000 * m + i, residual=(i % 2 == 0))
+        c = make_case(
+            m, nq, nkv, rope, seed=1000 * m + i, residual=(i % 2 == 0), fmt=fmt, scale_u8=(i % 3 == 1)
+        )
         kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
         q, res_out = run(c)
         torch.cuda.synchronize()
         check(c, q, res_out, kb, vb)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("split_kv", [False, True])
-def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv):
+def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv, fmt):
     nb = 64 // block_size + 2
     slots = torch.tensor([5, -1, nb * block_size - 1, 0, -7, 17], device="cuda")  # shorter than M, negatives
     c = make_case(
-        8, 16, 2, True, seed=block_size, num_blocks=nb, block_size=block_size, split_kv=split_kv, slots=slots
-    )
+        8, 16, 2, True, seed=block_size, num_blocks=nb, block_size=block_size, split_kv=split_kv, slots=slots,
+        fmt=fmt,
+    )  # fmt: skip
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     q, res_out = run(c)
     torch.cuda.synchronize()
     check(c, q, res_out, kb, vb)
 
 
-def test_two_runs_bit_identical(gpu_bundle):
-    c = make_case(5, 32, 4, True, seed=3)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_two_runs_bit_identical(gpu_bundle, fmt):
+    c = make_case(5, 32, 4, True, seed=3, fmt=fmt)
     q1, r1 = run(c)
     k1, v1 = c["k_cache"].clone(), c["v_cache"].clone()
     q2, r2 = run(c)
@@ -135,8 +163,9 @@ def test_two_runs_bit_identical(gpu_bundle):
     assert torch.equal(v1.nan_to_num(7), c["v_cache"].nan_to_num(7))
 
 
-def test_graph_capture_replay(gpu_bundle):
-    c = make_case(4, 32, 4, True, seed=4)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_graph_capture_replay(gpu_bundle, fmt):
+    c = make_case(4, 32, 4, True, seed=4, fmt=fmt)
     run(c)  # load modules before capture
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -145,7 +174,7 @@ def test_graph_capture_replay(gpu_bundle):
     with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
         q, res_out = run(c)
     for seed in (5, 6):
-        n = make_case(4, 32, 4, True, seed=seed)
+        n = make_case(4, 32, 4, True, seed=seed, fmt=fmt)
         for key in ("x", "residual", "positions"):
             c[key].copy_(n[key])
         c["k_cache"].fill_(float("nan"))
@@ -198,6 +227,7 @@ def test_bad_inputs_raise_and_write_nothing(gpu_bundle):
         "num_kv_heads": (8, ValueError, r"weight must have shape"),
         "qk_eps": (None, TypeError, "qk_eps must be a Python float"),
     }
+    base = op_args(base)
     for key, (val, exc, msg) in bad.items():
         c = dict(base, **{key: val})
         with pytest.raises(exc, match=msg):
@@ -213,6 +243,42 @@ def test_bad_inputs_raise_and_write_nothing(gpu_bundle):
     torch.cuda.synchronize()
     assert base["k_cache"].isnan().all() and base["v_cache"].isnan().all()
     q, r = loader.flint_qkv_fused(**base)  # the context is still healthy
+
+
+def test_bad_nvfp4_inputs_raise_and_write_nothing(gpu_bundle):
+    import loader
+
+    base = make_case(2, 32, 4, True, seed=10, fmt="nvfp4")
+    ws, gs = base["weight_scale"], base["global_scale"]
+    bad = {
+        "weight_scale": [
+            (None, ValueError, "needs weight_scale and global_scale"),
+            (ws.view(torch.uint8).bfloat16(), TypeError, "weight_scale must be torch.float8_e4m3fn"),
+            (ws[:-128], ValueError, r"weight_scale must have shape \[5120, 128\]"),
+            (ws.cpu(), ValueError, "weight_scale must be on a CUDA device"),
+            (ws.view(torch.uint8).t(), ValueError, "weight_scale must have shape"),
+        ],
+        "global_scale": [
+            (None, ValueError, "needs weight_scale and global_scale"),
+            (gs.half(), TypeError, "global_scale must be torch.float32"),
+            (torch.ones(2, device="cuda"), ValueError, "one fp32 element"),
+            (1.0, TypeError, "global_scale must be a torch.Tensor"),
+        ],
+        "weight": [
+            (base["weight"][:, :512], ValueError, r"weight must have shape \[5120, 1024\]"),
+            (base["weight"].view(torch.int8), TypeError, "weight must be bf16"),
+        ],
+    }
+    base = op_args(base)
+    for key, cases in bad.items():
+        for val, exc, msg in cases:
+            with pytest.raises(exc, match=msg):
+                loader.flint_qkv_fused(**dict(base, **{key: val}))
+    torch.cuda.synchronize()
+    assert base["k_cache"].isnan().all() and base["v_cache"].isnan().all()
+    q, r = loader.flint_qkv_fused(**base)
+    torch.cuda.synchronize()
+    assert not q.isnan().any()
     torch.cuda.synchronize()
     assert not q.isnan().any()
 

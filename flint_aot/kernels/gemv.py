@@ -119,3 +119,135 @@ def reduce_rows(d, tid, red):
     for q in range(1, WARPS):
         s = s + red[q * (ROWS * 8) + r * 8 + tk]
     return s
+
+
+# ----------------------------------------------------------------------------- NVFP4 weights
+# Weight rows are 1024 bytes of e2m1 codes (low nibble = even k) plus 128 e4m3 block scales (one per 16 k) in
+# the 128x4-swizzled layout, read in place. Same CTA shape and MMA as BF16, with another K split:
+# * warp w owns k in [512 w, 512 w + 512) as 16 chunks of 32 k (16 code bytes); lane (g, t) owns chunks
+#   4 c + t, c = 0..3, of rows g and g + 8 (one 16-byte load each: a warp instruction reads 8 rows x 64
+#   contiguous bytes), their 2 block scales (half of a 4-byte swizzle group) and x of token g at those k;
+# * code word i = 4 c + u (k0 = 512 w + 128 c + 32 t + 8 u, .. k0 + 7) decodes to 4 bf16x2 registers
+#   P_j = (k0 + j, k0 + j + 4), j = 0..3, and x is permuted to the same pairs; word i feeds MMA 2 i (P_0, P_1)
+#   and 2 i + 1 (P_2, P_3): a K permutation shared by A and B, so the dot product is unchanged;
+# * decoded weights are e2m1 * e4m3 * 2^-7 (exact in bf16: at most 5 significant bits, always normal); the
+#   fp32 row sums are multiplied by global_scale * 2^7 after the cross-warp reduction (reduce_rows order).
+KB = K // 2  # code bytes per row
+SC_COLS = K // 16  # block scales per row
+FP4_CHUNKS = KB // 16 // WARPS // 4  # 16-byte code chunks per thread per row (4)
+FP4_WORDS = FP4_CHUNKS * 4  # 32-bit code words per thread per row (16)
+FP4_PRE = FP4_WORDS // 2  # words per row decoded before griddepcontrol.wait (see nvfp4_prototype.md)
+
+
+def ld_weight_b32(ptr):
+    return cute.arch.inline_ptx(
+        "ld.global.nc.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr]
+    )
+
+
+def issue_fp4_loads(wq, sf, row0, tid):
+    """This thread's code and scale loads, rows g and g + 8: (codes[2][16 words], scales[2][4 words]);
+    scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2)."""
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    t = lane % 4
+    codes, scales = [], []
+    for r in (row0 + g, row0 + g + 8):
+        a = wq + (r * KB + warp * (KB // WARPS) + t * 16)
+        words = []
+        for c in range(FP4_CHUNKS):
+            words.extend(ld_weight(a + 64 * c))
+        codes.append(words)
+        # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2 (SPEC §4 offsets)
+        grp = (r // 128) * (SC_COLS // 4) + warp * 8 + t // 2
+        s = sf + (grp * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4)
+        scales.append([ld_weight_b32(s + 1024 * c) for c in range(FP4_CHUNKS)])
+    return codes, scales
+
+
+def fp4_scale_pair(word, tid):
+    """The two e4m3 block scales of this thread's chunk (half t % 2 of a swizzle group word) -> 2 bf16x2,
+    each a broadcast of e4m3 * 2^119 (exact)."""
+    half = word >> ((tid % 2) * 16)
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, a, b; .reg .b32 p; .reg .f32 fa, fb;"
+        " cvt.u16.u32 lo, {$r0}; cvt.rn.f16x2.e4m3x2 p, lo; mov.b32 {a, b}, p;"
+        " cvt.f32.f16 fa, a; cvt.f32.f16 fb, b;"
+        " mul.f32 fa, fa, 0f7B000000; mul.f32 fb, fb, 0f7B000000;"
+        " cvt.rn.bf16x2.f32 {$w0}, fa, fa; cvt.rn.bf16x2.f32 {$w1}, fb, fb; }",
+        write_only_types=[Int32] * 2,
+        read_only_args=[half],
+    )
+
+
+def fp4_decode(word, scale):
+    """8 e2m1 codes (nibble n = k0 + n) times a bf16x2 block scale -> 4 bf16x2 P_j = (k0 + j, k0 + j + 4).
+
+    A nibble s|e1 e0|m moved to bf16 bits 15 | 8:7 | 6 is the e2m1 value times 2^-126 (e = 0 lands on the
+    bf16 subnormals 0.5 * m * 2^-126). The multiply by 0x1040 (0x104 for the odd nibbles, already 4 bits up)
+    copies bits 2:0 to 8:6 and bit 3 to 15 at once; the mask keeps those. Times e4m3 * 2^119: e2m1 * e4m3
+    * 2^-7, exact."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 hi8, e0, e1, e2, e3;"
+        " shr.u32 hi8, {$r0}, 8;"
+        " and.b32 e0, {$r0}, 0x000F000F; and.b32 e1, {$r0}, 0x00F000F0;"
+        " and.b32 e2, hi8, 0x000F000F; and.b32 e3, hi8, 0x00F000F0;"
+        " mul.lo.u32 e0, e0, 0x1040; mul.lo.u32 e1, e1, 0x104;"
+        " mul.lo.u32 e2, e2, 0x1040; mul.lo.u32 e3, e3, 0x104;"
+        " and.b32 e0, e0, 0x81C081C0; and.b32 e1, e1, 0x81C081C0;"
+        " and.b32 e2, e2, 0x81C081C0; and.b32 e3, e3, 0x81C081C0;"
+        " mul.rn.bf16x2 {$w0}, e0, {$r1}; mul.rn.bf16x2 {$w1}, e1, {$r1};"
+        " mul.rn.bf16x2 {$w2}, e2, {$r1}; mul.rn.bf16x2 {$w3}, e3, {$r1}; }",
+        write_only_types=[Int32] * 4,
+        read_only_args=[word, scale],
+    )
+
+
+def fp4_x_pairs(v):
+    """16 bytes of x (k0..k0+7 as 4 bf16x2 words) -> the pairs (k0 + j, k0 + j + 4), j = 0..3."""
+    return cute.arch.inline_ptx(
+        "prmt.b32 {$w0}, {$r0}, {$r2}, 0x5410; prmt.b32 {$w1}, {$r0}, {$r2}, 0x7632;"
+        " prmt.b32 {$w2}, {$r1}, {$r3}, 0x5410; prmt.b32 {$w3}, {$r1}, {$r3}, 0x7632;",
+        write_only_types=[Int32] * 4,
+        read_only_args=list(v),
+    )
+
+
+def fp4_decode_rows(codes, scales, words, tid):
+    """Decoded bf16x2 for the given word indices of both rows: D[row][i] = 4 registers."""
+    out = []
+    for row in range(2):
+        sc = {}
+        d = {}
+        for i in words:
+            c = i // 4
+            if c not in sc:
+                sc[c] = fp4_scale_pair(scales[row][c], tid)
+            d[i] = fp4_decode(codes[row][i], sc[c][(i % 4) // 2])  # 2 words (16 k) per block scale
+        out.append(d)
+    return out
+
+
+def fp4_mma_partials(D, x, m, tid):
+    """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words).
+    The x loads are fenced: every one is issued right after the wait, before the first MMA."""
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    t = lane % 4
+    tok = cutlass.min(g, m - 1)
+    xa = x + (tok * K + warp * (K // WARPS) + t * 32)
+    X = [ld_act(xa + (128 * (i // 4) + 8 * (i % 4))) for i in range(FP4_WORDS)]
+    flat = []
+    for v in X:
+        flat.extend(v)
+    z = as_f32(runtime_zero(flat, m))
+    acc = [[z, z, z, z], [z, z, z, z]]
+    for i in range(FP4_WORDS):
+        xp = fp4_x_pairs(X[i])
+        a, b = D[0][i], D[1][i]
+        for h in range(2):
+            acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
+                                   (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
+    return [acc[0][i] + acc[1][i] for i in range(4)]

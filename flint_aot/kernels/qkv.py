@@ -75,7 +75,8 @@ def _f32_bits(v):
 
 
 def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix: str):
-    assert weight_format == "bf16", "nvfp4 is not implemented yet"
+    assert weight_format in ("bf16", "nvfp4"), weight_format
+    fp4 = weight_format == "nvfp4"
     M8 = gemv.MAX_M
     R = gemv.ROWS
     HALF = HEAD_DIM // 2
@@ -110,6 +111,8 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
             if tid == 0:
                 cute.arch.mbarrier_init(mbar, 1)
                 cute.arch.mbarrier_init_fence()
+            cute.arch.sync_warp()  # orders the init before the arrive for racecheck (same thread anyway)
+            if tid == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, rx_bytes)
             cute.arch.cluster_arrive_relaxed()
         # q/k norm weights of this thread's dim and of its rotation partner (model constants)
@@ -118,13 +121,24 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         wn = Float32(cutlass.select_(head < nq, qw[dim].to(Float32), kw[dim].to(Float32)))
         wp = Float32(cutlass.select_(head < nq, qw[dim ^ HALF].to(Float32), kw[dim ^ HALF].to(Float32)))
 
-        A = gemv.issue_weight_loads(w, cta * R, tid)
-        flat = []
-        for lo, hi in A:
-            flat.extend(lo)
-            flat.extend(hi)
+        # ---- the weight stream, issued before griddepcontrol.wait (guarded by a run-time zero that depends
+        # on every loaded register, so ptxas can neither sink the loads below the wait nor hoist the wait)
+        if cutlass.const_expr(fp4):
+            codes, scw = gemv.issue_fp4_loads(w, wsc, cta * R, tid)
+            gs = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
+            D = gemv.fp4_decode_rows(codes, scw, range(gemv.FP4_PRE), tid)  # half the decode before the wait
+            flat = scw[0][2:] + scw[1][2:] + codes[0][gemv.FP4_PRE:] + codes[1][gemv.FP4_PRE:]
+            for row in D:
+                for regs in row.values():
+                    flat.extend(regs)
+        else:
+            A = gemv.issue_weight_loads(w, cta * R, tid)
+            flat = []
+            for lo, hi in A:
+                flat.extend(lo)
+                flat.extend(hi)
         zero = gemv.runtime_zero(flat, m)
-        if zero == 0:  # always true; keeps the weight loads above the wait
+        if zero == 0:  # always true
             cute.arch.griddepcontrol_wait()
         # per-token inputs of the epilogue, issued now so their latency hides under the GEMV
         slot = Int64(-1)
@@ -140,12 +154,19 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
             c = _at(cs, row)[0]
             sn = _at(cs, row + HALF)[0]
 
-        d = gemv.mma_partials(A, xn, m, tid, zero)
+        if cutlass.const_expr(fp4):
+            rest = gemv.fp4_decode_rows(codes, scw, range(gemv.FP4_PRE, gemv.FP4_WORDS), tid)
+            d = gemv.fp4_mma_partials([{**D[i], **rest[i]} for i in range(2)], xn, m, tid)
+        else:
+            d = gemv.mma_partials(A, xn, m, tid, zero)
         red = cute.make_tensor(
             cute.arch.alloc_smem(Float32, gemv.WARPS * R * 8, alignment=16),
             cute.make_layout(gemv.WARPS * R * 8),
         )
-        h = gemv.reduce_rows(d, tid, red).to(BFloat16)  # qkv[tk, head * 128 + dim], rounded once
+        acc = gemv.reduce_rows(d, tid, red)
+        if cutlass.const_expr(fp4):
+            acc = acc * gs
+        h = acc.to(BFloat16)  # qkv[tk, head * 128 + dim], rounded once
 
         if is_v:
             if tk < m:
@@ -198,7 +219,8 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
 def compile(spec: dict, arch: str, entry_prefix: str) -> common.Compiled:
     nq, nkv = spec["heads"]
     host = make_kernel(spec["weight_format"], bool(spec["rope"]), nq, nkv, entry_prefix)
-    args = common.fake_args(PARAMS, BFloat16, PTR_DTYPES)
+    dtypes = dict(PTR_DTYPES, weight=cutlass.Uint8) if spec["weight_format"] == "nvfp4" else PTR_DTYPES
+    args = common.fake_args(PARAMS, BFloat16, dtypes)
     return common.compile_host(
         host, args, arch=arch, params=PARAMS, block=(gemv.THREADS, 1, 1), cluster=(CLUSTER, 1, 1),
         grid=("ROW_BLOCKS", 1, 1), dyn_smem=0,
