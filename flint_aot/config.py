@@ -24,6 +24,7 @@ from loader.manifest import ARCH_CC
 ARCHS = tuple(ARCH_CC)
 WEIGHT_FORMATS = ("bf16", "nvfp4")
 MAX_HEADS = 128
+KINDS = ("norm", "qkv", "gemv", "qk_norm_rope_cache")
 # norm.debug_spin_cycles: a debug build of the norm kernel that busy-waits this many clock cycles before
 # writing xn (a slow producer; proves that the qkv kernel waits for it). Never for serving.
 MAX_SPIN = 1 << 31
@@ -52,6 +53,10 @@ def spec_name(kind: str, spec: dict) -> str:
     if kind == "qkv":
         q, kv = spec["heads"]
         return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{kv}"
+    if kind == "gemv":
+        return f"gemv_{spec['weight_format']}"
+    if kind == "qk_norm_rope_cache":
+        return f"qk_norm_rope_cache_rope{int(spec['rope'])}"
     raise ConfigError(f"unknown kernel kind {kind!r}")
 
 
@@ -118,7 +123,7 @@ class _Checker:
 def validate(raw, source: str = "<config>") -> dict:
     """Check a parsed config and return it normalized (plain lists, canonical order of keys)."""
     c = _Checker(source)
-    c.mapping(raw, "", {"archs": True, "norm": False, "qkv": False})
+    c.mapping(raw, "", {"archs": True, **{k: False for k in KINDS}})
     out = {"archs": list(c.choices(raw["archs"], "archs", ARCHS))}
     if "norm" in raw:
         n = c.mapping(raw["norm"], "norm", {"residual": True, "debug_spin_cycles": False})
@@ -136,9 +141,17 @@ def validate(raw, source: str = "<config>") -> dict:
             "rope": list(c.bools(q["rope"], "qkv.rope")),
             "heads": [list(h) for h in c.heads(q["heads"], "qkv.heads")],
         }
-    if "norm" not in out and "qkv" not in out:
+    if "gemv" in raw:
+        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True})
+        fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
+        out["gemv"] = {"weight_format": list(fmts)}
+    if "qk_norm_rope_cache" in raw:
+        g = c.mapping(raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True})
+        out["qk_norm_rope_cache"] = {"rope": list(c.bools(g["rope"], "qk_norm_rope_cache.rope"))}
+    if not any(k in out for k in KINDS):
         raise ConfigError(
-            f"{source}: <top level>: no kernels requested; accepted: a 'norm' and/or 'qkv' section"
+            f"{source}: <top level>: no kernels requested; accepted: one or more of the sections "
+            + ", ".join(KINDS)
         )
     return out
 
@@ -167,6 +180,10 @@ def expand(config: dict) -> list[Specialization]:
         q = config["qkv"]
         for fmt, rope, heads in itertools.product(q["weight_format"], q["rope"], q["heads"]):
             specs.append(("qkv", {"weight_format": fmt, "rope": rope, "heads": list(heads)}))
+    for fmt in config.get("gemv", {}).get("weight_format", []):
+        specs.append(("gemv", {"weight_format": fmt}))
+    for rope in config.get("qk_norm_rope_cache", {}).get("rope", []):
+        specs.append(("qk_norm_rope_cache", {"rope": rope}))
     return [
         Specialization(kind, spec_name(kind, spec), spec, arch)
         for kind, spec in specs

@@ -12,6 +12,8 @@ _OPS = {
     "rms_norm",
     "fused_add_rms_norm",
     "flint_qkv_fused",
+    "gemv",
+    "qk_norm_rope_cache",
     "no_rope_table",
     "BundleError",
     "set_pdl",

@@ -18,7 +18,7 @@ MANIFEST_NAME = "manifest.json"
 # Kernel parameter types the loader knows how to pack: name -> (ctypes-ish size, alignment).
 PARAM_TYPES = {"ptr": (8, 8), "i32": (4, 4), "i64": (8, 8), "f32": (4, 4)}
 # Symbols a grid rule may use; the loader supplies their values at launch.
-GRID_SYMBOLS = ("M", "ROW_BLOCKS")
+GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS")
 ARCH_CC = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
 
 

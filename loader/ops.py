@@ -148,6 +148,90 @@ def _cache(name, t, nkv, dev) -> torch.Tensor:
     return t
 
 
+def _weight(weight, weight_scale, global_scale, dev, n: int | None):
+    """Validate a BF16 or NVFP4 weight of n rows (any multiple of 16 when n is None). Returns
+    (fmt, n, scale_ptr, global_scale_ptr); BF16 kernels never read the scale pointers (the weight's)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype not in (torch.bfloat16, torch.uint8):
+        raise TypeError(f"weight must be bf16 [N, {K}] or NVFP4 uint8 [N, {K // 2}], got {weight.dtype}")
+    fmt = "bf16" if weight.dtype == torch.bfloat16 else "nvfp4"
+    cols = K if fmt == "bf16" else K // 2
+    if n is None:
+        if weight.dim() != 2 or weight.shape[0] < 16 or weight.shape[0] % 16 or weight.shape[1] != cols:
+            raise ValueError(f"weight must have shape [N, {cols}] with N a positive multiple of 16, "
+                             f"got {list(weight.shape)}")  # fmt: skip
+        n = weight.shape[0]
+    _tensor("weight", weight, weight.dtype, (n, cols), dev)
+    if fmt == "bf16":
+        if weight_scale is not None or global_scale is not None:
+            raise ValueError("weight_scale and global_scale must be None for a BF16 weight")
+        return fmt, n, weight.data_ptr(), weight.data_ptr()
+    if weight_scale is None or global_scale is None:
+        raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
+    if not isinstance(weight_scale, torch.Tensor):
+        raise TypeError(f"weight_scale must be a torch.Tensor, got {type(weight_scale).__name__}")
+    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(
+            "weight_scale must be torch.float8_e4m3fn (or a torch.uint8 view of it), "
+            f"got {weight_scale.dtype}"
+        )
+    n_pad = -(-n // 128) * 128  # the 128x4 swizzle pads rows to a multiple of 128
+    _tensor("weight_scale", weight_scale, weight_scale.dtype, (n_pad, K // 16), dev, align=4)
+    if not isinstance(global_scale, torch.Tensor):
+        raise TypeError(f"global_scale must be a torch.Tensor, got {type(global_scale).__name__}")
+    if global_scale.numel() != 1:
+        raise ValueError(f"global_scale must hold one fp32 element, got shape {list(global_scale.shape)}")
+    _tensor("global_scale", global_scale.reshape(1), torch.float32, (1,), dev, align=4)
+    return fmt, n, weight_scale.data_ptr(), global_scale.data_ptr()
+
+
+class _QK:
+    """Validated inputs of the per-head stage (shared by flint_qkv_fused and qk_norm_rope_cache)."""
+
+    def __init__(self, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
+                 k_cache, v_cache, slot_mapping):  # fmt: skip
+        _tensor("q_norm_weight", q_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
+        _tensor("k_norm_weight", k_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
+        self.eps = _eps("qk_eps", qk_eps)
+        self.rope = cos_sin_cache is not None
+        if self.rope:
+            if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
+                raise ValueError("cos_sin_cache must be an fp32 tensor [max_pos, 128] or None")
+            max_pos = cos_sin_cache.shape[0]
+            _tensor("cos_sin_cache", cos_sin_cache, torch.float32, (max_pos, HEAD_DIM), dev)
+            if not 1 <= max_pos < 2**31:
+                raise ValueError(f"cos_sin_cache must have 1 <= max_pos < 2**31 rows, got {max_pos}")
+            self.cs = cos_sin_cache
+        else:
+            self.cs = no_rope_table(dev)
+        _tensor("positions", positions, torch.int64, (m,), dev)
+        _cache("k_cache", k_cache, nkv, dev)
+        _cache("v_cache", v_cache, nkv, dev)
+        if tuple(v_cache.shape) != tuple(k_cache.shape) or v_cache.stride() != k_cache.stride():
+            raise ValueError(
+                f"k_cache and v_cache must have the same shape and strides, got {list(k_cache.shape)} "
+                f"{k_cache.stride()} and {list(v_cache.shape)} {v_cache.stride()}"
+            )
+        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+            raise ValueError("slot_mapping must be a 1-D int64 tensor of at most M entries")
+        self.s = slot_mapping.shape[0]
+        _tensor("slot_mapping", slot_mapping, torch.int64, (self.s,), dev)
+        if self.s > m:
+            raise ValueError(f"slot_mapping has {self.s} entries, more than the M = {m} tokens")
+        self.nb, self.bs = k_cache.shape[0], k_cache.shape[1]
+        self.args = (q_norm_weight, k_norm_weight, positions, slot_mapping, k_cache, v_cache)
+
+    def check_bounds(self, positions, slot_mapping):
+        if _bounds_check:
+            _check_bounds(positions, slot_mapping, self.cs.shape[0] if self.rope else None, self.nb * self.bs)
+
+    def tail(self, k_cache):
+        """The kernels' trailing scalars: num_slot_mapping, max_pos, block_size, num_cache_slots, strides."""
+        return [self.s, self.cs.shape[0], self.bs, self.nb * self.bs,
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)]  # fmt: skip
+
+
 def flint_qkv_fused(
     x,
     residual,
@@ -182,103 +266,78 @@ def flint_qkv_fused(
         _tensor("residual", residual, torch.bfloat16, (m, K), dev)
     _tensor("norm_weight", norm_weight, torch.bfloat16, (K,), dev)
     eps = _eps("eps", eps)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype == torch.bfloat16:
-        fmt = "bf16"
-        _tensor("weight", weight, torch.bfloat16, (n, K), dev)
-        if weight_scale is not None or global_scale is not None:
-            raise ValueError("weight_scale and global_scale must be None for a BF16 weight")
-    elif weight.dtype == torch.uint8:
-        fmt = "nvfp4"
-        _tensor("weight", weight, torch.uint8, (n, K // 2), dev)
-        if weight_scale is None or global_scale is None:
-            raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
-        if not isinstance(weight_scale, torch.Tensor):
-            raise TypeError(f"weight_scale must be a torch.Tensor, got {type(weight_scale).__name__}")
-        if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
-            raise TypeError(
-                "weight_scale must be torch.float8_e4m3fn (or a torch.uint8 view of it), "
-                f"got {weight_scale.dtype}"
-            )
-        _tensor("weight_scale", weight_scale, weight_scale.dtype, (n, K // 16), dev, align=4)
-        if not isinstance(global_scale, torch.Tensor):
-            raise TypeError(f"global_scale must be a torch.Tensor, got {type(global_scale).__name__}")
-        if global_scale.numel() != 1:
-            raise ValueError(f"global_scale must hold one fp32 element, got shape {list(global_scale.shape)}")
-        _tensor("global_scale", global_scale.reshape(1), torch.float32, (1,), dev, align=4)
-    else:
-        raise TypeError(f"weight must be bf16 [N, {K}] or NVFP4 uint8 [N, {K // 2}], got {weight.dtype}")
-    _tensor("q_norm_weight", q_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
-    _tensor("k_norm_weight", k_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
-    qk_eps = _eps("qk_eps", qk_eps)
-    rope = cos_sin_cache is not None
-    if rope:
-        if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
-            raise ValueError("cos_sin_cache must be an fp32 tensor [max_pos, 128] or None")
-        max_pos = cos_sin_cache.shape[0]
-        _tensor("cos_sin_cache", cos_sin_cache, torch.float32, (max_pos, HEAD_DIM), dev)
-        if not 1 <= max_pos < 2**31:
-            raise ValueError(f"cos_sin_cache must have 1 <= max_pos < 2**31 rows, got {max_pos}")
-        cs = cos_sin_cache
-    else:
-        cs = no_rope_table(dev)
-    _tensor("positions", positions, torch.int64, (m,), dev)
-    _cache("k_cache", k_cache, nkv, dev)
-    _cache("v_cache", v_cache, nkv, dev)
-    if tuple(v_cache.shape) != tuple(k_cache.shape) or v_cache.stride() != k_cache.stride():
-        raise ValueError(
-            f"k_cache and v_cache must have the same shape and strides, got {list(k_cache.shape)} "
-            f"{k_cache.stride()} and {list(v_cache.shape)} {v_cache.stride()}"
-        )
-    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
-        raise ValueError("slot_mapping must be a 1-D int64 tensor of at most M entries")
-    s = slot_mapping.shape[0]
-    _tensor("slot_mapping", slot_mapping, torch.int64, (s,), dev)
-    if s > m:
-        raise ValueError(f"slot_mapping has {s} entries, more than the M = {m} tokens")
-    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    fmt, _, ws, gs = _weight(weight, weight_scale, global_scale, dev, n)
+    qk = _QK(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+             slot_mapping)  # fmt: skip
     norm_k = runtime.get_kernel(dev, "norm", {"residual": residual is not None})
-    qkv_k = runtime.get_kernel(dev, "qkv", {"weight_format": fmt, "rope": rope, "heads": [nq, nkv]})
-    if _bounds_check:
-        _check_bounds(positions, slot_mapping, cs.shape[0] if rope else None, nb * bs)
+    qkv_k = runtime.get_kernel(dev, "qkv", {"weight_format": fmt, "rope": qk.rope, "heads": [nq, nkv]})
+    qk.check_bounds(positions, slot_mapping)
 
     q = torch.empty(m, nq * HEAD_DIM, dtype=torch.bfloat16, device=dev)
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev)
         xn, res_out = _launch_norm(norm_k, x, residual, norm_weight, eps, stream)
-        # BF16 kernels never read the scale pointers: pass the weight's
-        ws = weight_scale.data_ptr() if fmt == "nvfp4" else weight.data_ptr()
-        gs = global_scale.data_ptr() if fmt == "nvfp4" else weight.data_ptr()
-        runtime.launch(
-            qkv_k,
-            {"ROW_BLOCKS": n // 16},
-            [
-                xn.data_ptr(),
-                weight.data_ptr(),
-                ws,
-                gs,
-                q_norm_weight.data_ptr(),
-                k_norm_weight.data_ptr(),
-                cs.data_ptr(),
-                positions.data_ptr(),
-                slot_mapping.data_ptr(),
-                q.data_ptr(),
-                k_cache.data_ptr(),
-                v_cache.data_ptr(),
-                m,
-                s,
-                cs.shape[0],
-                bs,
-                nb * bs,
-                k_cache.stride(0),
-                k_cache.stride(1),
-                k_cache.stride(2),
-                qk_eps,
-            ],
-            stream,
-        )
+        args = [xn.data_ptr(), weight.data_ptr(), ws, gs, q_norm_weight.data_ptr(), k_norm_weight.data_ptr(),
+                qk.cs.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), q.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), m, *qk.tail(k_cache), qk.eps]  # fmt: skip
+        runtime.launch(qkv_k, {"ROW_BLOCKS": n // 16}, args, stream)
     return q, res_out
+
+
+# ----------------------------------------------------------------------------- the unfused path
+def gemv(x, weight, weight_scale=None, global_scale=None) -> torch.Tensor:
+    """y = bf16(x · Wᵀ) for x bf16 [M, 2048] (1 <= M <= 8) and W BF16 [N, 2048] or NVFP4 (uint8 [N, 1024],
+    e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N any
+    multiple of 16. Same fragment math, K split and summation order as the fused kernel: bit-identical to
+    its qkv values. Returns a new bf16 [M, N] tensor."""
+    m = _activations(x)
+    dev = x.device
+    fmt, n, ws, gs = _weight(weight, weight_scale, global_scale, dev, None)
+    k = runtime.get_kernel(dev, "gemv", {"weight_format": fmt})
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+    with torch.cuda.device(dev):
+        args = [x.data_ptr(), weight.data_ptr(), ws, gs, y.data_ptr(), m, n]
+        runtime.launch(k, {"ROW_BLOCKS": n // 16}, args, torch.cuda.current_stream(dev))
+    return y
+
+
+def qk_norm_rope_cache(
+    qkv,
+    q_norm_weight,
+    k_norm_weight,
+    qk_eps,
+    cos_sin_cache,
+    positions,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    num_q_heads,
+    num_kv_heads,
+) -> torch.Tensor:
+    """SPEC §3.3 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm, NeoX RoPE
+    (cos_sin_cache None = none), k and v written to the paged cache at slot_mapping (same rules and memory
+    safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128]."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    nq, nkv = _heads(num_q_heads, num_kv_heads)
+    n = (nq + 2 * nkv) * HEAD_DIM
+    if qkv.dim() != 2 or qkv.shape[1] != n or not 1 <= qkv.shape[0] <= MAX_M:
+        raise ValueError(f"qkv must have shape [M, {n}] with 1 <= M <= {MAX_M} for {nq} q and {nkv} kv "
+                         f"heads, got {list(qkv.shape)}")  # fmt: skip
+    m = qkv.shape[0]
+    dev = qkv.device
+    _tensor("qkv", qkv, torch.bfloat16, (m, n))
+    qk = _QK(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+             slot_mapping)  # fmt: skip
+    k = runtime.get_kernel(dev, "qk_norm_rope_cache", {"rope": qk.rope})
+    qk.check_bounds(positions, slot_mapping)
+    q = torch.empty(m, nq * HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    with torch.cuda.device(dev):
+        args = [qkv.data_ptr(), q_norm_weight.data_ptr(), k_norm_weight.data_ptr(), qk.cs.data_ptr(),
+                positions.data_ptr(), slot_mapping.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                v_cache.data_ptr(), m, nq, nkv, *qk.tail(k_cache), qk.eps]  # fmt: skip
+        runtime.launch(k, {"HEADS": nq + 2 * nkv}, args, torch.cuda.current_stream(dev))
+    return q
 
 
 def _check_bounds(positions, slot_mapping, max_pos, num_slots):

@@ -23,10 +23,11 @@ def _err(raw, *needles):
 def test_default_config_loads_and_expands():
     cfg = load_config("configs/flint.yaml")
     specs = expand(cfg)
-    assert len(specs) == 2 * 2 + 2 * 2 * 4 * 2
+    assert len(specs) == 2 * 2 + 2 * 2 * 4 * 2 + 2 * 2 + 2 * 2
     names = {s.label for s in specs}
     assert len(names) == len(specs)
     assert "norm_res1@sm_90a" in names and "qkv_nvfp4_rope0_h8x1@sm_100a" in names
+    assert "gemv_nvfp4@sm_90a" in names and "qk_norm_rope_cache_rope0@sm_100a" in names
 
 
 def test_expansion_of_small_matrix():

@@ -8,7 +8,12 @@ import importlib.util
 from pathlib import Path
 
 # kind -> module implementing `compile(spec, arch, entry_prefix) -> common.Compiled`
-MODULES = {"norm": "flint_aot.kernels.norm", "qkv": "flint_aot.kernels.qkv"}
+MODULES = {
+    "norm": "flint_aot.kernels.norm",
+    "qkv": "flint_aot.kernels.qkv",
+    "gemv": "flint_aot.kernels.gemv_op",
+    "qk_norm_rope_cache": "flint_aot.kernels.qk_norm_rope",
+}
 
 _DIR = Path(__file__).resolve().parent
 

@@ -251,3 +251,53 @@ def fp4_mma_partials(D, x, m, tid):
             acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
                                    (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
     return [acc[0][i] + acc[1][i] for i in range(4)]
+
+
+# ----------------------------------------------------------------------------- the GEMV of one CTA
+# The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m):
+    """Issue this CTA's whole weight slice (NVFP4: codes, scales and half of the decode), then
+    griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
+    neither sink the loads below the wait nor hoist the wait above them). Returns the state for row_sums."""
+    st = {}
+    if fp4:
+        codes, scw = issue_fp4_loads(w, wsc, row0, tid)
+        st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
+        st["D"] = fp4_decode_rows(codes, scw, range(FP4_PRE), tid)
+        st["codes"], st["scw"] = codes, scw
+        flat = scw[0][2:] + scw[1][2:] + codes[0][FP4_PRE:] + codes[1][FP4_PRE:]
+        for row in st["D"]:
+            for regs in row.values():
+                flat.extend(regs)
+    else:
+        st["A"] = issue_weight_loads(w, row0, tid)
+        flat = []
+        for lo, hi in st["A"]:
+            flat.extend(lo)
+            flat.extend(hi)
+    st["zero"] = runtime_zero(flat, m)
+    guarded_wait(st["zero"])
+    return st
+
+
+@cute.jit
+def guarded_wait(zero: Int32):
+    if zero == 0:  # always true at run time
+        cute.arch.griddepcontrol_wait()
+
+
+def row_sums(fp4: bool, st, x, m, tid):
+    """The GEMV of this CTA's 16 rows for all tokens, after weights_then_wait: thread tid gets the fp32
+    sum (times the global scale for NVFP4) of row tid % 16, token tid // 16 (syncs the CTA)."""
+    if fp4:
+        rest = fp4_decode_rows(st["codes"], st["scw"], range(FP4_PRE, FP4_WORDS), tid)
+        d = fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid)
+    else:
+        d = mma_partials(st["A"], x, m, tid, st["zero"])
+    red = cute.make_tensor(
+        cute.arch.alloc_smem(Float32, WARPS * ROWS * 8, alignment=16), cute.make_layout(WARPS * ROWS * 8)
+    )
+    s = reduce_rows(d, tid, red)
+    if fp4:
+        s = s * st["gs"]
+    return s

@@ -121,25 +121,8 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         wn = Float32(cutlass.select_(head < nq, qw[dim].to(Float32), kw[dim].to(Float32)))
         wp = Float32(cutlass.select_(head < nq, qw[dim ^ HALF].to(Float32), kw[dim ^ HALF].to(Float32)))
 
-        # ---- the weight stream, issued before griddepcontrol.wait (guarded by a run-time zero that depends
-        # on every loaded register, so ptxas can neither sink the loads below the wait nor hoist the wait)
-        if cutlass.const_expr(fp4):
-            codes, scw = gemv.issue_fp4_loads(w, wsc, cta * R, tid)
-            gs = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
-            D = gemv.fp4_decode_rows(codes, scw, range(gemv.FP4_PRE), tid)  # half the decode before the wait
-            flat = scw[0][2:] + scw[1][2:] + codes[0][gemv.FP4_PRE:] + codes[1][gemv.FP4_PRE:]
-            for row in D:
-                for regs in row.values():
-                    flat.extend(regs)
-        else:
-            A = gemv.issue_weight_loads(w, cta * R, tid)
-            flat = []
-            for lo, hi in A:
-                flat.extend(lo)
-                flat.extend(hi)
-        zero = gemv.runtime_zero(flat, m)
-        if zero == 0:  # always true
-            cute.arch.griddepcontrol_wait()
+        # ---- the weight stream, issued before griddepcontrol.wait (which follows it)
+        wst = gemv.weights_then_wait(fp4, w, wsc, gsc, cta * R, tid, m)
         # per-token inputs of the epilogue, issued now so their latency hides under the GEMV
         slot = Int64(-1)
         if tk < nsm:
@@ -154,18 +137,7 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
             c = _at(cs, row)[0]
             sn = _at(cs, row + HALF)[0]
 
-        if cutlass.const_expr(fp4):
-            rest = gemv.fp4_decode_rows(codes, scw, range(gemv.FP4_PRE, gemv.FP4_WORDS), tid)
-            d = gemv.fp4_mma_partials([{**D[i], **rest[i]} for i in range(2)], xn, m, tid)
-        else:
-            d = gemv.mma_partials(A, xn, m, tid, zero)
-        red = cute.make_tensor(
-            cute.arch.alloc_smem(Float32, gemv.WARPS * R * 8, alignment=16),
-            cute.make_layout(gemv.WARPS * R * 8),
-        )
-        acc = gemv.reduce_rows(d, tid, red)
-        if cutlass.const_expr(fp4):
-            acc = acc * gs
+        acc = gemv.row_sums(fp4, wst, xn, m, tid)
         h = acc.to(BFloat16)  # qkv[tk, head * 128 + dim], rounded once
 
         if is_v:
