@@ -1,4 +1,4 @@
-"""The `flint-aot` command line: build, list, verify."""
+"""The `flint-aot` command line: build, list, verify, doctor."""
 
 from __future__ import annotations
 
@@ -113,6 +113,27 @@ def verify(bundle):
             f"{bad} of {len(b.manifest.kernels)} cubins do not match the manifest; rebuild the bundle"
         )
     click.echo(f"{len(b.manifest.kernels)} cubins verified")
+
+
+@main.command()
+@click.argument("bundle", required=False, type=click.Path(file_okay=False))
+@click.option("-m", "tokens", default=3, show_default=True, type=click.IntRange(1, 8), help="Tokens (M).")
+def doctor(bundle, tokens):
+    """Run every variant of BUNDLE (default: as the loader finds it) once on this GPU against the torch
+    reference; exit 1 if any fails."""
+    from flint_aot.doctor import TOL, run
+
+    try:
+        results = run(bundle, m=tokens)
+    except Exception as e:
+        raise click.ClickException(f"{type(e).__name__}: {e}") from None
+    rows = [[r.variant, f"{r.max_err:.2e}", "pass" if r.ok else "FAIL", f"{r.ms:.2f}", r.note]
+            for r in results]  # fmt: skip
+    click.echo(_table(["variant", "max rel err", "result", "ms (first call)", "note"], rows))
+    bad = [r for r in results if not r.ok]
+    click.echo(f"{len(results) - len(bad)} of {len(results)} variants pass (tolerance {TOL:g})")
+    if bad:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

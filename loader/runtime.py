@@ -111,12 +111,17 @@ def _spec_str(spec: dict) -> str:
 
 # ----------------------------------------------------------------------------- modules
 class _Loaded:
-    def __init__(self, key: tuple, entry: KernelEntry, module, function):
+    def __init__(self, key: tuple, entry: KernelEntry, module, function, ctx):
         self.key = key
         self.entry = entry
         self.module = module
         self.function = function
+        self.ctx = ctx  # the device's primary context (torch's), in which the module was loaded
+        self.ctx_id = int(ctx)
         self.ctypes = [_CTYPES[p.type] for p in entry.params]
+
+
+_module_loads = 0
 
 
 def _device_cc(device: torch.device) -> tuple[int, int]:
@@ -152,8 +157,15 @@ def get_kernel(device: torch.device, kind: str, spec: dict) -> _Loaded:
                 except Exception:
                     cu.cuModuleUnload(module)
                     raise
-            k = _modules[key] = _Loaded(key, entry, module, fn)
+            k = _modules[key] = _Loaded(key, entry, module, fn, ctx)
+            global _module_loads
+            _module_loads += 1
     return k
+
+
+def module_loads() -> int:
+    """How many cubins this process has loaded (cuModuleLoadData calls); for tests and diagnostics."""
+    return _module_loads
 
 
 # ----------------------------------------------------------------------------- launch
@@ -192,4 +204,9 @@ def launch(k: _Loaded, grid_symbols: dict[str, int], args: list, stream: torch.c
     cfg.hStream = cu.CUstream(stream.cuda_stream)
     vals = [t(v) for t, v in zip(k.ctypes, args, strict=True)]
     argv = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+    # The driver API launches in the calling thread's current context, which a thread that never touched
+    # the driver (or last used another device) does not have: make the module's context current.
+    cur = _check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if cur is None or int(cur) != k.ctx_id:
+        _check(cu.cuCtxSetCurrent(k.ctx), "cuCtxSetCurrent")
     _check(cu.cuLaunchKernelEx(cfg, k.function, ctypes.addressof(argv), 0), f"launch {e.entry}")

@@ -1,0 +1,48 @@
+"""`flint-aot doctor` (issue 6) on the GPU: every variant passes on a sound bundle; a bundle with a wrong
+cubin behind one entry fails that variant and exits non-zero."""
+
+import json
+import shutil
+
+from click.testing import CliRunner
+
+from flint_aot.cli import main
+from tests.conftest import needs_gpu
+
+pytestmark = needs_gpu
+
+
+def test_doctor_passes_on_the_bundle(gpu_bundle):
+    import loader
+
+    try:
+        r = CliRunner().invoke(main, ["doctor", str(gpu_bundle.path)])
+    finally:
+        loader.load_bundle(gpu_bundle.path)
+    assert r.exit_code == 0, r.output
+    n = sum(1 for e in gpu_bundle.manifest.kernels if e.arch == "sm_90a")
+    rows = [ln.split() for ln in r.output.splitlines()[2:] if "variants pass" not in ln]
+    results = [cols[2] for cols in rows if len(cols) >= 4]
+    assert results == ["pass"] * n and f"{n} of {n} variants pass" in r.output
+
+
+def test_doctor_fails_a_wrong_cubin(gpu_bundle, tmp_path):
+    import loader
+
+    bad = tmp_path / "bad"
+    shutil.copytree(gpu_bundle.path, bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    by_name = {(e["name"], e["arch"]): e for e in m["kernels"]}
+    victim = by_name[("qkv_bf16_rope1_h16x2", "sm_90a")]
+    other = by_name[("qkv_bf16_rope0_h16x2", "sm_90a")]
+    for key in ("file", "sha256", "size"):  # the entry now points at another variant's (intact) cubin
+        victim[key] = other[key]
+    (bad / "manifest.json").write_text(json.dumps(m))
+    try:
+        r = CliRunner().invoke(main, ["doctor", str(bad)])
+    finally:
+        loader.load_bundle(gpu_bundle.path)
+    assert r.exit_code == 1, r.output
+    line = next(ln for ln in r.output.splitlines() if ln.startswith("qkv_bf16_rope1_h16x2 "))
+    assert "FAIL" in line
+    assert r.output.count("FAIL") == 1
