@@ -1,0 +1,89 @@
+"""Build robustness (issue 6): a build killed mid-way leaves the previous bundle intact and loadable and
+its cache usable; -j N gives the same bytes as -j 1; another DSL version or kernel source is rebuilt, not
+taken from the cache."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from loader.bundle import Bundle
+from tests.conftest import ROOT, needs_dsl
+
+pytestmark = needs_dsl
+
+SMALL = "archs: [sm_90a]\nnorm:\n  residual: [true, false]\n"
+LARGER = (
+    "archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n"
+    "qkv:\n  weight_format: [bf16]\n  rope: [true, false]\n  heads: [[8, 1]]\n"
+)
+
+
+def _files(p):
+    return {f.name: f.read_bytes() for f in sorted(p.iterdir())}
+
+
+def _cli(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "flint_aot.cli", *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)  # fmt: skip
+
+
+def test_killed_build_keeps_previous_bundle(tmp_path):
+    (tmp_path / "small.yaml").write_text(SMALL)
+    (tmp_path / "larger.yaml").write_text(LARGER)
+    out = tmp_path / "bundle"
+    p = _cli("build", str(tmp_path / "small.yaml"), "-o", str(out), "--cache-dir", str(tmp_path / "c1"))
+    assert p.wait(300) == 0, p.stdout.read().decode()
+    before = _files(out)
+
+    # 8 compiles one at a time (~1.5 s each): killed (with its compile processes) after ~4 s
+    cache = tmp_path / "c2"
+    p = _cli("build", str(tmp_path / "larger.yaml"), "-o", str(out), "-j", "1", "--cache-dir", str(cache),
+             start_new_session=True)  # fmt: skip
+    time.sleep(4)
+    assert p.poll() is None, "the build finished before it could be killed: " + p.stdout.read().decode()
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(60)
+    assert _files(out) == before, "a killed build must not touch the bundle in place"
+    b = Bundle.open(out)
+    assert all(not problems for problems in b.verify().values())
+    assert sorted(e.name for e in b.manifest.kernels) == ["norm_res0", "norm_res1"]
+
+    # the interrupted cache is still good: finishing the build with it equals a build from scratch
+    p = _cli("build", str(tmp_path / "larger.yaml"), "-o", str(out), "--cache-dir", str(cache))
+    log = p.communicate(timeout=600)[0].decode()
+    assert p.returncode == 0, log
+    assert " cached" in log  # the compiles finished before the kill were reused
+    fresh = tmp_path / "fresh"
+    p = _cli("build", str(tmp_path / "larger.yaml"), "-o", str(fresh), "--cache-dir", str(tmp_path / "c3"))
+    assert p.wait(600) == 0
+    assert _files(out) == _files(fresh)
+    assert not list(tmp_path.glob(".bundle.tmp-*"))
+
+
+def test_parallel_build_same_bytes(tmp_path):
+    from flint_aot.builder import build
+
+    (tmp_path / "c.yaml").write_text(LARGER.replace(", sm_100a", ""))
+    build(tmp_path / "c.yaml", tmp_path / "j1", jobs=1, cache_dir=tmp_path / "k1")
+    build(tmp_path / "c.yaml", tmp_path / "j3", jobs=3, cache_dir=tmp_path / "k3")
+    assert _files(tmp_path / "j1") == _files(tmp_path / "j3")
+
+
+def test_other_dsl_or_kernel_source_is_rebuilt(tmp_path, monkeypatch):
+    from flint_aot import builder, kernels
+
+    (tmp_path / "c.yaml").write_text(SMALL)
+    cache = tmp_path / "cache"
+    out = tmp_path / "b"
+    assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 2
+    assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 0  # cached
+    monkeypatch.setattr(builder, "dsl_version", lambda: "4.8.1+other")
+    res = builder.build(tmp_path / "c.yaml", out, cache_dir=cache)
+    assert res.compiled == 2 and Bundle.open(out).manifest.dsl_version == "4.8.1+other"
+    monkeypatch.undo()
+    real = kernels.source_hash()
+    monkeypatch.setattr(kernels, "source_hash", lambda: "0" * 64 if real != "0" * 64 else "1" * 64)
+    assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 2
