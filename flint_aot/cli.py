@@ -1,4 +1,4 @@
-"""The `flint-aot` command line: build, list, verify, doctor."""
+"""The `flint-aot` command line: build, list, verify, pack, doctor."""
 
 from __future__ import annotations
 
@@ -113,6 +113,24 @@ def verify(bundle):
             f"{bad} of {len(b.manifest.kernels)} cubins do not match the manifest; rebuild the bundle"
         )
     click.echo(f"{len(b.manifest.kernels)} cubins verified")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(file_okay=False))
+@click.option("-o", "--out", default="dist", show_default=True, help="Folder for the wheel.")
+@click.option("--name", default="flint-aot-loader", show_default=True, help="Distribution name.")
+def pack(bundle, out, name):
+    """Turn BUNDLE plus the loader into one wheel (needs only torch and cuda-bindings to install)."""
+    from flint_aot.pack import PackError
+    from flint_aot.pack import pack as do_pack
+    from loader.bundle import BundleError
+    from loader.manifest import ManifestError
+
+    try:
+        whl = do_pack(bundle, out, name)
+    except (PackError, BundleError, ManifestError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"{whl}  (pip install it; `import loader` then finds the bundle by itself)")
 
 
 @main.command()

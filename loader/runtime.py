@@ -19,7 +19,8 @@ from cuda.bindings import driver as cu
 from loader.bundle import Bundle
 from loader.manifest import ARCH_CC, KernelEntry
 
-_DEFAULT_BUNDLE = Path(__file__).resolve().parent.parent / "build" / "flint"
+_PACKAGED_BUNDLE = Path(__file__).resolve().parent / "_bundle"  # installed by `flint-aot pack`
+_DEFAULT_BUNDLE = Path(__file__).resolve().parent.parent / "build" / "flint"  # a source checkout
 _lock = threading.RLock()
 _bundle: Bundle | None = None
 _modules: dict[tuple[int, str, str], _Loaded] = {}  # (device, arch, name) -> loaded kernel
@@ -46,16 +47,22 @@ def _check(result, what: str):
 
 # ----------------------------------------------------------------------------- bundle
 def load_bundle(path: str | os.PathLike | None = None) -> Bundle:
-    """Use the bundle at `path` (else $FLINT_AOT_BUNDLE, else build/flint of the checkout) from now on.
+    """Use the bundle at `path` (else $FLINT_AOT_BUNDLE, else the one packed with the loader, else build/flint
+    of the checkout) from now on.
     Reads and validates its manifest at once; cubins are loaded lazily, per device, on first use."""
     global _bundle
     if path is None:
-        path = os.environ.get("FLINT_AOT_BUNDLE") or _DEFAULT_BUNDLE
+        path = os.environ.get("FLINT_AOT_BUNDLE") or packaged_bundle() or _DEFAULT_BUNDLE
     b = Bundle.open(path)
     with _lock:
         _bundle = b
         _modules.clear()
     return b
+
+
+def packaged_bundle() -> Path | None:
+    """The bundle installed with the loader by `flint-aot pack` (a wheel), if any."""
+    return _PACKAGED_BUNDLE if (_PACKAGED_BUNDLE / "manifest.json").is_file() else None
 
 
 def current_bundle() -> Bundle:

@@ -1,0 +1,71 @@
+"""`flint-aot pack` (issue 6): the wheel installs into a fresh venv that has only torch and cuda-bindings;
+there `import loader` finds the packed bundle by itself, and neither the DSL nor flint_aot is installed."""
+
+import json
+import subprocess
+import sys
+import zipfile
+
+from click.testing import CliRunner
+
+from flint_aot.cli import main
+from tests.conftest import needs_dsl
+
+pytestmark = needs_dsl
+
+PROBE = """
+import importlib.util, json, loader
+b = loader.current_bundle()
+print(json.dumps({
+    "bundle": str(b.path),
+    "loader": loader.__file__,
+    "variants": sorted(f"{e.name}@{e.arch}" for e in b.manifest.kernels),
+    "verify": all(not p for p in b.verify().values()),
+    "cutlass": importlib.util.find_spec("cutlass") is not None,
+    "flint_aot": importlib.util.find_spec("flint_aot") is not None,
+}))
+"""
+
+
+def test_pack_installs_into_a_fresh_venv(tmp_path):
+    from flint_aot.builder import build
+    from loader.bundle import Bundle
+
+    (tmp_path / "c.yaml").write_text("archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n")
+    build(tmp_path / "c.yaml", tmp_path / "bundle", cache_dir=tmp_path / "cache", jobs=2)
+    r = CliRunner().invoke(main, ["pack", str(tmp_path / "bundle"), "-o", str(tmp_path / "dist")])
+    assert r.exit_code == 0, r.output
+    (whl,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert "loader/_bundle/manifest.json" in names and "loader/ops.py" in names
+    assert not any(n.startswith("flint_aot/") for n in names)
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    # torch 2.13.0: the CPU build on the build machine (README); the wheel itself asks for torch>=2.6,<3
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "torch==2.13.0", "cuda-bindings>=12.8",
+                          str(whl)], capture_output=True, text=True)  # fmt: skip
+    assert pip.returncode == 0, pip.stderr
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH, no FLINT_AOT_BUNDLE
+    out = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["loader"].startswith(str(venv)) and got["bundle"].startswith(str(venv))
+    expect = sorted(f"{e.name}@{e.arch}" for e in Bundle.open(tmp_path / "bundle").manifest.kernels)
+    assert got["variants"] == expect and got["verify"]
+    assert not got["cutlass"] and not got["flint_aot"]
+
+
+def test_pack_refuses_a_corrupt_bundle(tmp_path):
+    from flint_aot.builder import build
+
+    (tmp_path / "c.yaml").write_text("archs: [sm_90a]\nnorm:\n  residual: [true]\n")
+    build(tmp_path / "c.yaml", tmp_path / "bundle", cache_dir=tmp_path / "cache")
+    (cubin,) = (tmp_path / "bundle").glob("*.cubin")
+    data = bytearray(cubin.read_bytes())
+    data[-1] ^= 1
+    cubin.write_bytes(bytes(data))
+    r = CliRunner().invoke(main, ["pack", str(tmp_path / "bundle"), "-o", str(tmp_path / "dist")])
+    assert r.exit_code != 0 and "does not verify" in r.output and "flint-aot build" in r.output
+    assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").glob("*.whl"))
