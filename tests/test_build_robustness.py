@@ -87,3 +87,25 @@ def test_other_dsl_or_kernel_source_is_rebuilt(tmp_path, monkeypatch):
     real = kernels.source_hash()
     monkeypatch.setattr(kernels, "source_hash", lambda: "0" * 64 if real != "0" * 64 else "1" * 64)
     assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 2
+
+
+def test_cli_compile_failure_names_the_specialization(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from flint_aot import builder
+    from flint_aot.cli import main
+
+    (tmp_path / "c.yaml").write_text(SMALL)
+    real_run = subprocess.run
+
+    def failing_run(cmd, **kw):
+        if '{"residual": true}' in cmd:  # this specialization's compile exits with an error
+            cmd = [sys.executable, "-c", "import sys; sys.exit('boom: unsupported')"]
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(builder.subprocess, "run", failing_run)
+    r = CliRunner().invoke(main, ["build", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "o"),
+                                  "--cache-dir", str(tmp_path / "cache")])  # fmt: skip
+    assert r.exit_code == 1
+    assert "norm_res1@sm_90a" in r.output and "boom: unsupported" in r.output
+    assert not (tmp_path / "o").exists()
