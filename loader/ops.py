@@ -85,15 +85,19 @@ def _launch_norm(k, x, residual, weight, eps, stream):
     return xn, res_out
 
 
-def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= 8."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flint.rms_norm(x, weight, eps)
     return _norm(x, None, weight, eps)[0]
 
 
-def _fused_add_rms_norm_impl(
+def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """r = bf16(x + residual); returns (rms_norm(r, weight, eps), r), both new tensors."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flint.fused_add_rms_norm(x, residual, weight, eps)
     if residual is None:
         raise TypeError("residual must be a tensor (use rms_norm when there is none)")
     return _norm(x, residual, weight, eps)
@@ -232,7 +236,7 @@ class _QK:
                 k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)]  # fmt: skip
 
 
-def _flint_qkv_fused_impl(
+def flint_qkv_fused(
     x,
     residual,
     norm_weight,
@@ -258,6 +262,12 @@ def _flint_qkv_fused_impl(
     q/k heads NaN and a slot >= num_blocks * block_size is not written (no out-of-bounds access either
     way); `set_bounds_check(True)` raises on them instead.
     """
+    if torch.compiler.is_compiling():
+        q, r = torch.ops.flint.qkv_fused(
+            x, residual, norm_weight, eps, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
+            qk_eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
+        )  # fmt: skip
+        return q, (x if residual is None else r)  # (the op never aliases an input)
     m = _activations(x)
     dev = x.device
     nq, nkv = _heads(num_q_heads, num_kv_heads)
@@ -285,11 +295,13 @@ def _flint_qkv_fused_impl(
 
 
 # ----------------------------------------------------------------------------- the unfused path
-def _gemv_impl(x, weight, weight_scale=None, global_scale=None) -> torch.Tensor:
+def gemv(x, weight, weight_scale=None, global_scale=None) -> torch.Tensor:
     """y = bf16(x · Wᵀ) for x bf16 [M, 2048] (1 <= M <= 8) and W BF16 [N, 2048] or NVFP4 (uint8 [N, 1024],
     e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N any
     multiple of 16. Same fragment math, K split and summation order as the fused kernel: bit-identical to
     its qkv values. Returns a new bf16 [M, N] tensor."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flint.gemv(x, weight, weight_scale, global_scale)
     m = _activations(x)
     dev = x.device
     fmt, n, ws, gs = _weight(weight, weight_scale, global_scale, dev, None)
@@ -301,7 +313,7 @@ def _gemv_impl(x, weight, weight_scale=None, global_scale=None) -> torch.Tensor:
     return y
 
 
-def _qk_norm_rope_cache_impl(
+def qk_norm_rope_cache(
     qkv,
     q_norm_weight,
     k_norm_weight,
@@ -317,6 +329,10 @@ def _qk_norm_rope_cache_impl(
     """SPEC §3.3 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm, NeoX RoPE
     (cos_sin_cache None = none), k and v written to the paged cache at slot_mapping (same rules and memory
     safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.flint.qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache,
+                                                  positions, k_cache, v_cache, slot_mapping, num_q_heads,
+                                                  num_kv_heads)  # fmt: skip
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     nq, nkv = _heads(num_q_heads, num_kv_heads)
@@ -353,92 +369,7 @@ def _check_bounds(positions, slot_mapping, max_pos, num_slots):
         )
 
 
-# ----------------------------------------------------------------------------- public API
-# Eager calls validate and launch directly. Under torch.compile (Dynamo tracing) they become the custom ops
-# of loader/torch_ops.py (namespace `flint`, fake implementations, the KV-cache mutation declared), whose
-# real implementations are the same _impl functions: no graph break, and the compiled graph still captures.
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= 8."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flint.rms_norm(x, weight, eps)
-    return _rms_norm_impl(x, weight, eps)
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """r = bf16(x + residual); returns (rms_norm(r, weight, eps), r), both new tensors."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flint.fused_add_rms_norm(x, residual, weight, eps)
-    return _fused_add_rms_norm_impl(x, residual, weight, eps)
-
-
-def flint_qkv_fused(
-    x,
-    residual,
-    norm_weight,
-    eps,
-    weight,
-    weight_scale,
-    global_scale,
-    q_norm_weight,
-    k_norm_weight,
-    qk_eps,
-    cos_sin_cache,
-    positions,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    num_q_heads,
-    num_kv_heads,
-):
-    """Residual-add RMSNorm + qkv GEMV + q/k RMSNorm, NeoX RoPE, paged KV-cache write, for M <= 8 tokens.
-
-    Returns (q bf16 [M, num_q_heads * 128], residual_out bf16 [M, 2048]); residual_out is x itself when
-    residual is None. Shapes and semantics: SPEC §2. A position outside cos_sin_cache makes that token's
-    q/k heads NaN and a slot >= num_blocks * block_size is not written (no out-of-bounds access either
-    way); `set_bounds_check(True)` raises on them instead.
-    """
-    args = (x, residual, norm_weight, eps, weight, weight_scale, global_scale, q_norm_weight,
-            k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, num_q_heads,
-            num_kv_heads)  # fmt: skip
-    if torch.compiler.is_compiling():
-        q, r = torch.ops.flint.qkv_fused(*args)
-        return q, (x if residual is None else r)
-    return _flint_qkv_fused_impl(*args)
-
-
-def gemv(x, weight, weight_scale=None, global_scale=None) -> torch.Tensor:
-    """y = bf16(x · Wᵀ) for x bf16 [M, 2048] (1 <= M <= 8) and W BF16 [N, 2048] or NVFP4 (uint8 [N, 1024],
-    e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N any
-    multiple of 16. Same fragment math, K split and summation order as the fused kernel: bit-identical to
-    its qkv values. Returns a new bf16 [M, N] tensor."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flint.gemv(x, weight, weight_scale, global_scale)
-    return _gemv_impl(x, weight, weight_scale, global_scale)
-
-
-def qk_norm_rope_cache(
-    qkv,
-    q_norm_weight,
-    k_norm_weight,
-    qk_eps,
-    cos_sin_cache,
-    positions,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    num_q_heads,
-    num_kv_heads,
-) -> torch.Tensor:
-    """SPEC §3.3 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm, NeoX RoPE
-    (cos_sin_cache None = none), k and v written to the paged cache at slot_mapping (same rules and memory
-    safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128]."""
-    args = (qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
-            slot_mapping, num_q_heads, num_kv_heads)  # fmt: skip
-    if torch.compiler.is_compiling():
-        return torch.ops.flint.qk_norm_rope_cache(*args)
-    return _qk_norm_rope_cache_impl(*args)
-
-
+# Under torch.compile (Dynamo tracing) each public op below becomes the custom op of loader/torch_ops.py
+# (namespace `flint`: fake implementation, the KV-cache mutation declared), whose real implementation calls
+# the same function again at run time, outside tracing: no graph break, and the compiled graph captures.
 from loader import torch_ops  # noqa: E402,F401  (registers the flint:: custom ops)

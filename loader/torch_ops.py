@@ -1,6 +1,7 @@
 """torch.library custom ops (namespace `flint`) for the loader's ops, so that torch.compile(fullgraph=True)
 traces code calling them without graph breaks (loader.ops switches to these while Dynamo traces). Real
-implementations: loader.ops' eager functions (validation + launch); fake implementations: shapes only. The
+implementations: loader.ops' functions, called at run time outside tracing (validation + launch); fake
+implementations: shapes only. The
 paged KV cache is declared mutated. Outputs never alias inputs: when residual is None the fused op returns
 an empty residual_out here, and loader.flint_qkv_fused hands back x itself, as in eager mode."""
 
@@ -16,7 +17,7 @@ K, D = ops.K, ops.HEAD_DIM
 
 @torch.library.custom_op("flint::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return ops._rms_norm_impl(x, weight, eps)
+    return ops.rms_norm(x, weight, eps)
 
 
 @rms_norm.register_fake
@@ -26,7 +27,7 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("flint::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return ops._fused_add_rms_norm_impl(x, residual, weight, eps)
+    return ops.fused_add_rms_norm(x, residual, weight, eps)
 
 
 @fused_add_rms_norm.register_fake
@@ -54,7 +55,7 @@ def qkv_fused(
     num_q_heads: int,
     num_kv_heads: int,
 ) -> tuple[Tensor, Tensor]:
-    q, r = ops._flint_qkv_fused_impl(
+    q, r = ops.flint_qkv_fused(
         x, residual, norm_weight, eps, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
         qk_eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
     )  # fmt: skip
@@ -70,7 +71,7 @@ def _(x, residual, norm_weight, eps, weight, weight_scale, global_scale, q_norm_
 
 @torch.library.custom_op("flint::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, weight_scale: Tensor | None, global_scale: Tensor | None) -> Tensor:
-    return ops._gemv_impl(x, weight, weight_scale, global_scale)
+    return ops.gemv(x, weight, weight_scale, global_scale)
 
 
 @gemv.register_fake
@@ -92,7 +93,7 @@ def qk_norm_rope_cache(
     num_q_heads: int,
     num_kv_heads: int,
 ) -> Tensor:
-    return ops._qk_norm_rope_cache_impl(
+    return ops.qk_norm_rope_cache(
         qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
         num_q_heads, num_kv_heads,
     )  # fmt: skip
