@@ -68,6 +68,38 @@ def issue_weight_loads(w, row0, tid):
     return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * K + b * 32))) for b in range(NB)]
 
 
+def ld_shared(ptr):
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32] * 4,
+        read_only_args=[ptr],
+    )
+
+
+class SharedX:
+    """x [8, K] staged in this CTA's shared memory (row stride `row` elements) by the cluster's multicast
+    bulk copies (qkv.py); `ready()` waits on their mbarrier. Passed instead of the global x pointer, it
+    changes where the fragments come from, not the MMA sequence: results stay bit-identical."""
+
+    def __init__(self, base, row, mbar):
+        self.base, self.row, self.mbar = base, row, mbar
+
+    def ready(self):
+        cute.arch.mbarrier_wait(self.mbar, 0)
+
+    def load(self, tok, k):
+        return ld_shared(self.base + (tok * self.row + k))
+
+
+def _x_loads(x, tok, ks):
+    """16-byte x fragments at token tok and element offsets ks: global loads, or shared once staged."""
+    if isinstance(x, SharedX):
+        x.ready()
+        return [x.load(tok, k) for k in ks]
+    xa = x + tok * K
+    return [ld_act(xa + k) for k in ks]
+
+
 def runtime_zero(regs, m):
     """An Int32 that is 0 at run time (m >= 1) but depends on every register in regs, so ptxas must issue
     every load before anything that uses it (it otherwise sinks loads next to their use, and may move
@@ -87,8 +119,7 @@ def mma_partials(A, x, m, tid, zero):
     g = lane // 4
     t = lane % 4
     tok = cutlass.min(g, m - 1)
-    xa = x + (tok * K + warp * (NB * 32) + t * 8)
-    X = [ld_act(xa + b * 32) for b in range(NB)]
+    X = _x_loads(x, tok, [warp * (NB * 32) + t * 8 + b * 32 for b in range(NB)])
     z = as_f32(zero)
     acc = [[z, z, z, z], [z, z, z, z]]
     for b in range(NB):
@@ -237,12 +268,15 @@ def fp4_mma_partials(D, x, m, tid):
     g = lane // 4
     t = lane % 4
     tok = cutlass.min(g, m - 1)
-    xa = x + (tok * K + warp * (K // WARPS) + t * 32)
-    X = [ld_act(xa + (128 * (i // 4) + 8 * (i % 4))) for i in range(FP4_WORDS)]
-    flat = []
-    for v in X:
-        flat.extend(v)
-    z = as_f32(runtime_zero(flat, m))
+    ks = [warp * (K // WARPS) + t * 32 + 128 * (i // 4) + 8 * (i % 4) for i in range(FP4_WORDS)]
+    X = _x_loads(x, tok, ks)
+    if isinstance(x, SharedX):
+        z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)
+    else:
+        flat = []
+        for v in X:
+            flat.extend(v)
+        z = as_f32(runtime_zero(flat, m))  # all 16 global x loads issued at once, before the first MMA
     acc = [[z, z, z, z], [z, z, z, z]]
     for i in range(FP4_WORDS):
         xp = fp4_x_pairs(X[i])

@@ -2,13 +2,17 @@
 
 Grid: one CTA of 128 threads per 16 weight rows; the 8 CTAs of one head (128 rows) form a cluster (8,1,1).
 Each CTA
-1. releases its own PDL dependents, issues all of its 64 KiB weight slice (BF16) into registers, and only
+1. releases its own PDL dependents, initialises its mbarriers, arrives on the cluster barrier, issues its
+   whole weight slice (BF16: 64 KiB into registers; NVFP4: codes + scales, and half of the decode), and only
    then waits (griddepcontrol.wait) for the norm kernel: the weight stream overlaps the norm;
-2. reads xn, computes its 16 rows for all tokens (gemv.py: fragment math, K split, summation order),
-   rounds them to bf16 and stores them into rank 0's shared memory (DSMEM);
-3. cluster barrier; rank 0 holds the head's 128 x M bf16 values and applies, for a q or k head, the RMSNorm
-   over the 128 dims in fp32, NeoX RoPE from the fp32 cos|sin table (or none) and one bf16 rounding, then
-   stores q, or writes k / v into the paged cache at slot_mapping.
+2. copies 1/8 of xn (k in [256 r, 256 r + 256) of every token) with one multicast bulk copy per token into
+   all 8 CTAs' shared memory: x is read from L2 once per cluster, not once per CTA;
+3. computes its 16 rows for all tokens (gemv.py: fragment math, K split, summation order) and rounds them
+   to bf16;
+4. v head: writes its rows to the paged cache. q/k head: sends its per-token partial sums of squares to
+   every CTA of the head and its rows to its RoPE partner (rank ^ 4) with st.async on their mbarriers,
+   then applies the RMSNorm (fp32, sums in rank order: the same in all 8 CTAs), NeoX RoPE from the fp32
+   cos|sin table (or none) and one bf16 rounding to its own 16 dims, and stores q or writes k.
 
 Memory safety (documented in the loader): a position outside [0, max_pos) reads row 0 of the table and turns
 that token's q/k head into NaN; a slot >= num_blocks * block_size is not written (like a negative slot).
@@ -74,7 +78,24 @@ def _f32_bits(v):
     return Int32(llvm.bitcast(Int32.mlir_type, v.ir_value()))
 
 
-def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix: str):
+def _bulk_multicast(dst, src, mbar):
+    """512 bytes global -> the same shared-memory offset in all 8 CTAs of the cluster (one L2 read),
+    completing on each CTA's mbarrier at mbar's offset."""
+    cute.arch.inline_ptx(
+        "{ .reg .b16 msk; mov.b16 msk, 0xFF;"
+        " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [{$r0}], [{$r1}], 512, [{$r2}], msk; }",
+        read_only_args=[dst, src, mbar],
+    )
+
+
+# Read x once per cluster (multicast bulk copies into shared memory) instead of once per CTA: 0.3-0.9 us
+# per layer faster on the H200 (BENCHMARKS.md). False builds the per-CTA global loads (for A/B runs).
+X_MULTICAST = True
+
+
+def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix: str,
+                x_multicast: bool = X_MULTICAST):  # fmt: skip
     assert weight_format in ("bf16", "nvfp4"), weight_format
     fp4 = weight_format == "nvfp4"
     M8 = gemv.MAX_M
@@ -104,7 +125,24 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         ssq = cute.arch.alloc_smem(Float32, CLUSTER * M8, alignment=16)  # [src rank][token]
         pv = cute.arch.alloc_smem(Float32, R * M8, alignment=16)  # partner rows [row][token]
         mbar = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        if not is_v:
+        if cutlass.const_expr(x_multicast):
+            # x is read once per cluster: CTA r copies k in [256 r, 256 r + 256) of every token with a
+            # multicast bulk copy into all 8 CTAs' shared memory (rows padded against bank conflicts)
+            xrow = gemv.K + (8 if fp4 else 32)
+            xs = cute.arch.alloc_smem(BFloat16, M8 * xrow, alignment=128)
+            mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
+            if tid == 0:
+                cute.arch.mbarrier_init(mbx, 1)
+                if not is_v:
+                    cute.arch.mbarrier_init(mbar, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_warp()
+            if tid == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbx, m * (gemv.K * 2))
+                if not is_v:
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, rx_bytes)
+            cute.arch.cluster_arrive_relaxed()
+        elif not is_v:
             # Peers st.async into this CTA's smem and complete bytes on its mbarrier: initialise it and
             # arrive on the cluster barrier now; the wait just before the first remote store guarantees
             # every peer has initialised its own.
@@ -123,6 +161,13 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
 
         # ---- the weight stream, issued before griddepcontrol.wait (which follows it)
         wst = gemv.weights_then_wait(fp4, w, wsc, gsc, cta * R, tid, m)
+        xsrc = xn
+        if cutlass.const_expr(x_multicast):
+            cute.arch.cluster_wait()  # every peer's mbarrier is initialised
+            if tid < m:
+                part = rank * (gemv.K // CLUSTER)
+                _bulk_multicast(xs + (tid * xrow + part), xn + (tid * gemv.K + part), mbx)
+            xsrc = gemv.SharedX(xs, xrow, mbx)
         # per-token inputs of the epilogue, issued now so their latency hides under the GEMV
         slot = Int64(-1)
         if tk < nsm:
@@ -137,7 +182,7 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
             c = _at(cs, row)[0]
             sn = _at(cs, row + HALF)[0]
 
-        acc = gemv.row_sums(fp4, wst, xn, m, tid)
+        acc = gemv.row_sums(fp4, wst, xsrc, m, tid)
         h = acc.to(BFloat16)  # qkv[tk, head * 128 + dim], rounded once
 
         if is_v:
@@ -148,7 +193,8 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
             part = hv * hv  # this CTA's 16 dims of token tk: a 16-lane butterfly (same sum in every lane)
             for o in (1, 2, 4, 8):
                 part = part + cute.arch.shuffle_sync_bfly(part, o)
-            cute.arch.cluster_wait()
+            if cutlass.const_expr(not x_multicast):
+                cute.arch.cluster_wait()
             if r < CLUSTER:  # lane r sends the partial to rank r
                 cute.arch.store_async_dsmem(ssq + (rank * M8 + tk), _f32_bits(part), mbar, r)
             if cutlass.const_expr(rope):
@@ -190,7 +236,8 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
 
 def compile(spec: dict, arch: str, entry_prefix: str) -> common.Compiled:
     nq, nkv = spec["heads"]
-    host = make_kernel(spec["weight_format"], bool(spec["rope"]), nq, nkv, entry_prefix)
+    host = make_kernel(spec["weight_format"], bool(spec["rope"]), nq, nkv, entry_prefix,
+                       bool(spec.get("x_multicast", X_MULTICAST)))  # fmt: skip
     dtypes = dict(PTR_DTYPES, weight=cutlass.Uint8) if spec["weight_format"] == "nvfp4" else PTR_DTYPES
     args = common.fake_args(PARAMS, BFloat16, dtypes)
     return common.compile_host(
