@@ -89,13 +89,7 @@ def _bulk_multicast(dst, src, mbar):
     )
 
 
-# Read x once per cluster (multicast bulk copies into shared memory) instead of once per CTA: 0.3-0.9 us
-# per layer faster on the H200 (BENCHMARKS.md). False builds the per-CTA global loads (for A/B runs).
-X_MULTICAST = True
-
-
-def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix: str,
-                x_multicast: bool = X_MULTICAST):  # fmt: skip
+def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix: str):
     assert weight_format in ("bf16", "nvfp4"), weight_format
     fp4 = weight_format == "nvfp4"
     M8 = gemv.MAX_M
@@ -125,34 +119,24 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
         ssq = cute.arch.alloc_smem(Float32, CLUSTER * M8, alignment=16)  # [src rank][token]
         pv = cute.arch.alloc_smem(Float32, R * M8, alignment=16)  # partner rows [row][token]
         mbar = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        if cutlass.const_expr(x_multicast):
-            # x is read once per cluster: CTA r copies k in [256 r, 256 r + 256) of every token with a
-            # multicast bulk copy into all 8 CTAs' shared memory (rows padded against bank conflicts)
-            xrow = gemv.K + (8 if fp4 else 32)
-            xs = cute.arch.alloc_smem(BFloat16, M8 * xrow, alignment=128)
-            mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
-            if tid == 0:
-                cute.arch.mbarrier_init(mbx, 1)
-                if not is_v:
-                    cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_warp()
-            if tid == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbx, m * (gemv.K * 2))
-                if not is_v:
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, rx_bytes)
-            cute.arch.cluster_arrive_relaxed()
-        elif not is_v:
-            # Peers st.async into this CTA's smem and complete bytes on its mbarrier: initialise it and
-            # arrive on the cluster barrier now; the wait just before the first remote store guarantees
-            # every peer has initialised its own.
-            if tid == 0:
+        # x is read once per cluster: CTA r copies k in [256 r, 256 r + 256) of every token with a multicast
+        # bulk copy into all 8 CTAs' shared memory (rows padded against bank conflicts), completing on mbx.
+        # q/k heads also receive their peers' st.async on mbar. Both are initialised now, before this CTA
+        # arrives on the cluster barrier; the wait comes before anyone targets a peer.
+        xrow = gemv.K + (8 if fp4 else 32)
+        xs = cute.arch.alloc_smem(BFloat16, M8 * xrow, alignment=128)
+        mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
+        if tid == 0:
+            cute.arch.mbarrier_init(mbx, 1)
+            if not is_v:
                 cute.arch.mbarrier_init(mbar, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_warp()  # orders the init before the arrive for racecheck (same thread anyway)
-            if tid == 0:
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()  # orders the inits before the arrives for racecheck (same thread anyway)
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbx, m * (gemv.K * 2))
+            if not is_v:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, rx_bytes)
-            cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_arrive_relaxed()
         # q/k norm weights of this thread's dim and of its rotation partner (model constants)
         qw = cute.make_tensor(qnw, cute.make_layout(HEAD_DIM))
         kw = cute.make_tensor(knw, cute.make_layout(HEAD_DIM))
@@ -161,13 +145,10 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
 
         # ---- the weight stream, issued before griddepcontrol.wait (which follows it)
         wst = gemv.weights_then_wait(fp4, w, wsc, gsc, cta * R, tid, m)
-        xsrc = xn
-        if cutlass.const_expr(x_multicast):
-            cute.arch.cluster_wait()  # every peer's mbarrier is initialised
-            if tid < m:
-                part = rank * (gemv.K // CLUSTER)
-                _bulk_multicast(xs + (tid * xrow + part), xn + (tid * gemv.K + part), mbx)
-            xsrc = gemv.SharedX(xs, xrow, mbx)
+        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
+        if tid < m:
+            part = rank * (gemv.K // CLUSTER)
+            _bulk_multicast(xs + (tid * xrow + part), xn + (tid * gemv.K + part), mbx)
         # per-token inputs of the epilogue, issued now so their latency hides under the GEMV
         slot = Int64(-1)
         if tk < nsm:
@@ -182,7 +163,7 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
             c = _at(cs, row)[0]
             sn = _at(cs, row + HALF)[0]
 
-        acc = gemv.row_sums(fp4, wst, xsrc, m, tid)
+        acc = gemv.row_sums(fp4, wst, gemv.SharedX(xs, xrow, mbx), m, tid)
         h = acc.to(BFloat16)  # qkv[tk, head * 128 + dim], rounded once
 
         if is_v:
@@ -193,8 +174,6 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
             part = hv * hv  # this CTA's 16 dims of token tk: a 16-lane butterfly (same sum in every lane)
             for o in (1, 2, 4, 8):
                 part = part + cute.arch.shuffle_sync_bfly(part, o)
-            if cutlass.const_expr(not x_multicast):
-                cute.arch.cluster_wait()
             if r < CLUSTER:  # lane r sends the partial to rank r
                 cute.arch.store_async_dsmem(ssq + (rank * M8 + tk), _f32_bits(part), mbar, r)
             if cutlass.const_expr(rope):
@@ -236,8 +215,7 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, entry_prefix:
 
 def compile(spec: dict, arch: str, entry_prefix: str) -> common.Compiled:
     nq, nkv = spec["heads"]
-    host = make_kernel(spec["weight_format"], bool(spec["rope"]), nq, nkv, entry_prefix,
-                       bool(spec.get("x_multicast", X_MULTICAST)))  # fmt: skip
+    host = make_kernel(spec["weight_format"], bool(spec["rope"]), nq, nkv, entry_prefix)
     dtypes = dict(PTR_DTYPES, weight=cutlass.Uint8) if spec["weight_format"] == "nvfp4" else PTR_DTYPES
     args = common.fake_args(PARAMS, BFloat16, dtypes)
     return common.compile_host(
