@@ -18,7 +18,8 @@ import torch
 
 import loader
 from benchmarks.bench_qkv import HEADS, MS, TARGET_BYTES, copy_bandwidth, make_weights, median_graph_us
-from flint_aot.reference import dequantize_nvfp4, make_cos_sin_cache
+from loader import nvfp4
+from loader.reference import make_cos_sin_cache
 
 K, D = 2048, 128
 EPS = 1e-6
@@ -74,7 +75,7 @@ def main():
             need_dense = any((nq, nkv, m) not in peers_us for m in args.m)
             dense = []
             if need_dense:
-                dense = [w if fmt == "bf16" else dequantize_nvfp4(w, s, g).bfloat16() for w, s, g in ws[:dl]]
+                dense = [w if fmt == "bf16" else nvfp4.dequantize(w, s, g).bfloat16() for w, s, g in ws[:dl]]
             cs = make_cos_sin_cache(4096, device="cuda")
             nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
             qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")

@@ -15,8 +15,8 @@ import statistics
 import torch
 
 import loader
-from flint_aot.reference import make_cos_sin_cache
 from loader import runtime
+from loader.reference import make_cos_sin_cache
 
 K, D = 2048, 128
 HEADS = [(32, 4), (16, 8), (16, 2)]

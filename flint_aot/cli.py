@@ -139,7 +139,7 @@ def pack(bundle, out, name):
 def doctor(bundle, tokens):
     """Run every variant of BUNDLE (default: as the loader finds it) once on this GPU against the torch
     reference; exit 1 if any fails."""
-    from flint_aot.doctor import TOL, run
+    from loader.doctor import TOL, run
 
     try:
         results = run(bundle, m=tokens)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flint_aot.reference import rms_norm_ref
+from loader.reference import rms_norm_ref
 from tests.conftest import needs_gpu
 
 pytestmark = needs_gpu

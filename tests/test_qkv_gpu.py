@@ -3,14 +3,8 @@
 import pytest
 import torch
 
-from flint_aot.reference import (
-    dequantize_nvfp4,
-    expected_cache,
-    make_cos_sin_cache,
-    qkv_fused_ref,
-    quantize_nvfp4,
-    rms_norm_ref,
-)
+from loader import nvfp4
+from loader.reference import expected_cache, make_cos_sin_cache, qkv_fused_ref, rms_norm_ref
 from tests.conftest import needs_gpu
 
 pytestmark = needs_gpu
@@ -72,9 +66,9 @@ def make_case(
     c["num_q_heads"], c["num_kv_heads"] = nq, nkv
     c["_w_dense"] = c["weight"]
     if fmt == "nvfp4":
-        packed, scales, gs = quantize_nvfp4(c["weight"])
+        packed, scales, gs = nvfp4.quantize(c["weight"])
         gs = gs.to("cuda")
-        c["_w_dense"] = dequantize_nvfp4(packed, scales, gs)
+        c["_w_dense"] = nvfp4.dequantize(packed, scales, gs)
         c["weight"], c["global_scale"] = packed, gs
         c["weight_scale"] = scales.view(torch.uint8) if scale_u8 else scales
     return c

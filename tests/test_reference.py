@@ -1,4 +1,4 @@
-"""CPU tests of flint_aot.reference (SPEC §3 numerics, §4 NVFP4 format)."""
+"""CPU tests of loader.reference (docs/numerics.md) and loader.nvfp4 (docs/nvfp4.md)."""
 
 import cmath
 import math
@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from flint_aot import reference as ref
+from loader import nvfp4
+from loader import reference as ref
+from loader.abi import HIDDEN
 
 E2M1_MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Largest half-gap to a neighbouring e2m1 magnitude, per magnitude code (code 7 also covers
@@ -25,7 +27,7 @@ def _e4m3_from_bytes(b):
 
 
 def _code_values(codes):
-    return torch.tensor(ref.E2M1_VALUES, dtype=torch.float64)[codes.long()]
+    return torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)[codes.long()]
 
 
 def _exact_weights(n, k, g, seed):
@@ -52,30 +54,30 @@ def _exact_weights(n, k, g, seed):
 
 def test_e2m1_table_matches_spec():
     mags = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-    assert len(ref.E2M1_VALUES) == 16
+    assert len(nvfp4.E2M1_VALUES) == 16
     for c in range(8):
-        assert ref.E2M1_VALUES[c] == mags[c]
-        assert ref.E2M1_VALUES[c + 8] == -mags[c]
+        assert nvfp4.E2M1_VALUES[c] == mags[c]
+        assert nvfp4.E2M1_VALUES[c + 8] == -mags[c]
 
 
 @pytest.mark.parametrize("n,k,seed", [(256, 512, 1), (384, 2048, 2)])
 def test_quantize_roundtrip_exact(n, k, seed):
     g = 2.0 ** -10
     w, codes, sbytes = _exact_weights(n, k, g, seed)
-    packed, scales, gs = ref.quantize_nvfp4(w)
+    packed, scales, gs = nvfp4.quantize(w)
     assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
     assert scales.dtype == torch.float8_e4m3fn and scales.shape == (n, k // 16)
     assert gs.dtype == torch.float32 and gs.shape == (1,)
     assert gs.item() == g
-    assert torch.equal(ref.unswizzle_scales(scales, n), sbytes)
-    got_codes = ref.unpack_e2m1(packed)
+    assert torch.equal(nvfp4.unswizzle_scales(scales, n), sbytes)
+    got_codes = nvfp4.unpack_e2m1(packed)
     canon = torch.where(codes == 8, torch.zeros_like(codes), codes)  # -0 may be stored as +0
     assert torch.equal(got_codes, canon)
-    deq = ref.dequantize_nvfp4(packed, scales, gs)
+    deq = nvfp4.dequantize(packed, scales, gs)
     assert deq.dtype == torch.float64
     assert torch.equal(deq, w.double())
     # uint8 view of the scales and a Python float global scale give the same result
-    deq2 = ref.dequantize_nvfp4(packed, scales.view(torch.uint8), g, dtype=torch.float32)
+    deq2 = nvfp4.dequantize(packed, scales.view(torch.uint8), g, dtype=torch.float32)
     assert torch.equal(deq2.double(), w.double())
 
 
@@ -90,13 +92,13 @@ def test_largest_scale_and_code_survive():
     codes[5, 32:48] = torch.tensor([15, 7] * 8, dtype=torch.uint8)  # +-6 * 448 * g: the amax
     w64 = (_code_values(codes).view(n, -1, 16) * _e4m3_from_bytes(sbytes).double()[..., None]) * g
     w = w64.reshape(n, k).bfloat16()
-    packed, scales, gs = ref.quantize_nvfp4(w)
-    s = ref.unswizzle_scales(scales, n)
+    packed, scales, gs = nvfp4.quantize(w)
+    s = nvfp4.unswizzle_scales(scales, n)
     assert s[5, 2].item() == E4M3_448
     assert _e4m3_from_bytes(s[5, 2:3]).float().item() == 448.0
-    c = ref.unpack_e2m1(packed)
+    c = nvfp4.unpack_e2m1(packed)
     assert torch.equal(c[5, 32:48], codes[5, 32:48])
-    deq = ref.dequantize_nvfp4(packed, scales, gs)
+    deq = nvfp4.dequantize(packed, scales, gs)
     assert deq[5, 32].item() == -6 * 448 * g and deq[5, 33].item() == 6 * 448 * g
     assert torch.equal(deq, w.double())
 
@@ -111,10 +113,10 @@ def test_ties_round_to_even_code():
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
     w64[1, :16] = torch.cat((torch.tensor([6.0, 0.0]), mids, -mids)) * 2
     w = (w64 * g).bfloat16()
-    packed, scales, gs = ref.quantize_nvfp4(w)
+    packed, scales, gs = nvfp4.quantize(w)
     assert gs.item() == g
-    assert _e4m3_from_bytes(ref.unswizzle_scales(scales, n)[1, 0:1]).float().item() == 2.0
-    c = ref.unpack_e2m1(packed)[1, :16].tolist()
+    assert _e4m3_from_bytes(nvfp4.unswizzle_scales(scales, n)[1, 0:1]).float().item() == 2.0
+    c = nvfp4.unpack_e2m1(packed)[1, :16].tolist()
     assert c[:2] == [7, 0]
     assert c[2:9] == [0, 2, 2, 4, 4, 6, 6]
     assert c[9:16] == [0, 10, 10, 12, 12, 14, 14]
@@ -126,19 +128,19 @@ def test_all_codes_pack_unpack_and_decode():
     gen = _gen(5)
     perm = torch.randperm(k, generator=gen)
     codes = codes[:, perm].contiguous()
-    packed = ref.pack_e2m1(codes)
+    packed = nvfp4.pack_e2m1(codes)
     assert packed.shape == (n, k // 2)
     assert torch.equal(packed, codes[:, 0::2] + 16 * codes[:, 1::2])  # low nibble = even k
-    assert torch.equal(ref.unpack_e2m1(packed), codes)
-    row = ref.pack_e2m1(torch.arange(16, dtype=torch.uint8)[None])
+    assert torch.equal(nvfp4.unpack_e2m1(packed), codes)
+    row = nvfp4.pack_e2m1(torch.arange(16, dtype=torch.uint8)[None])
     assert row.tolist() == [[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]]
-    ones = ref.swizzle_scales(torch.full((n, k // 16), E4M3_ONE, dtype=torch.uint8))
-    deq = ref.dequantize_nvfp4(packed, ones, torch.tensor([1.0]))
-    expect = torch.tensor(ref.E2M1_VALUES, dtype=torch.float64)[codes.long()]
+    ones = nvfp4.swizzle_scales(torch.full((n, k // 16), E4M3_ONE, dtype=torch.uint8))
+    deq = nvfp4.dequantize(packed, ones, torch.tensor([1.0]))
+    expect = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)[codes.long()]
     assert torch.equal(deq, expect)
     for c in range(16):
         vals = deq[codes == c]
-        assert vals.numel() > 0 and bool((vals == ref.E2M1_VALUES[c]).all())
+        assert vals.numel() > 0 and bool((vals == nvfp4.E2M1_VALUES[c]).all())
 
 
 def test_zero_blocks():
@@ -148,10 +150,10 @@ def test_zero_blocks():
     w[3, 80:96] = 0  # block (3, 5)
     w[7] = 0  # whole row
     w[200, 0:16] = -0.0
-    packed, scales, gs = ref.quantize_nvfp4(w)
-    s = ref.unswizzle_scales(scales, n)
-    c = ref.unpack_e2m1(packed)
-    deq = ref.dequantize_nvfp4(packed, scales, gs)
+    packed, scales, gs = nvfp4.quantize(w)
+    s = nvfp4.unswizzle_scales(scales, n)
+    c = nvfp4.unpack_e2m1(packed)
+    deq = nvfp4.dequantize(packed, scales, gs)
     assert not torch.isnan(deq).any()
     for r, c0 in [(3, 80), (7, 0), (7, 240), (200, 0)]:
         assert s[r, c0 // 16].item() == 0
@@ -159,26 +161,26 @@ def test_zero_blocks():
         assert bool((deq[r, c0:c0 + 16] == 0).all())
     assert s[4, 5].item() != 0  # neighbours are real blocks
     # all-zero weight: global scale guard
-    pz, sz, gz = ref.quantize_nvfp4(torch.zeros(128, 64, dtype=torch.bfloat16))
+    pz, sz, gz = nvfp4.quantize(torch.zeros(128, 64, dtype=torch.bfloat16))
     assert gz.item() == 1.0
     assert bool((pz == 0).all()) and bool((sz.view(torch.uint8) == 0).all())
-    dz = ref.dequantize_nvfp4(pz, sz, gz)
+    dz = nvfp4.dequantize(pz, sz, gz)
     assert not torch.isnan(dz).any() and bool((dz == 0).all())
 
 
 def test_quantization_error_bound():
     gen = _gen(7)
-    n, k = 256, ref.K
+    n, k = 256, HIDDEN
     w = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
-    packed, scales, gs = ref.quantize_nvfp4(w)
+    packed, scales, gs = nvfp4.quantize(w)
     assert abs(gs.item() - w.float().abs().max().item() / (6 * 448)) <= 1e-6 * gs.item()
-    deq = ref.dequantize_nvfp4(packed, scales, gs)
+    deq = nvfp4.dequantize(packed, scales, gs)
     w64 = w.double()
     rel = ((deq - w64).norm() / w64.norm()).item()
     assert rel < 0.15, rel
-    block_scale = ref.unswizzle_scales(scales, n).view(torch.float8_e4m3fn).double() * gs.double()
+    block_scale = nvfp4.unswizzle_scales(scales, n).view(torch.float8_e4m3fn).double() * gs.double()
     per_elem = block_scale.repeat_interleave(16, dim=1)
-    mag = (ref.unpack_e2m1(packed) & 7).long()
+    mag = (nvfp4.unpack_e2m1(packed) & 7).long()
     allowed = torch.tensor(HALF_GAP, dtype=torch.float64)[mag] * per_elem * (1 + 1e-6)
     err = (deq - w64).abs()
     assert bool((err <= allowed).all()), (err - allowed).max().item()
@@ -186,7 +188,7 @@ def test_quantization_error_bound():
     # block scales are e4m3(block_amax / 6 / gs)
     bamax = w64.view(n, k // 16, 16).abs().amax(-1)
     want = (bamax.float() / 6 / gs).clamp(max=448).to(torch.float8_e4m3fn).view(torch.uint8)
-    assert torch.equal(ref.unswizzle_scales(scales, n), want)
+    assert torch.equal(nvfp4.unswizzle_scales(scales, n), want)
 
 
 # ------------------------------------------------------------------------------------------
@@ -199,46 +201,46 @@ def test_swizzle_matches_offset_formula(rows, seed):
     cols = 128
     gen = _gen(seed)
     logical = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
-    sw = ref.swizzle_scales(logical)
+    sw = nvfp4.swizzle_scales(logical)
     assert sw.dtype == torch.uint8 and sw.shape == (rows, cols)
     flat = sw.reshape(-1)
     rs = torch.randint(0, rows, (400,), generator=gen).tolist()
     cs = torch.randint(0, cols, (400,), generator=gen).tolist()
     for r, c in zip(rs, cs, strict=True):
-        assert flat[ref.swizzle_offset(r, c, cols)].item() == logical[r, c].item(), (r, c)
+        assert flat[nvfp4.swizzle_offset(r, c, cols)].item() == logical[r, c].item(), (r, c)
     # spot values of the formula itself
-    assert ref.swizzle_offset(0, 0, cols) == 0
-    assert ref.swizzle_offset(0, 1, cols) == 1
-    assert ref.swizzle_offset(32, 0, cols) == 4
-    assert ref.swizzle_offset(1, 0, cols) == 16
-    assert ref.swizzle_offset(0, 4, cols) == 512
-    assert ref.swizzle_offset(128, 0, cols) == 512 * (cols // 4)
-    offsets = sorted(ref.swizzle_offset(r, c, cols) for r in range(rows) for c in range(0, cols, 7))
+    assert nvfp4.swizzle_offset(0, 0, cols) == 0
+    assert nvfp4.swizzle_offset(0, 1, cols) == 1
+    assert nvfp4.swizzle_offset(32, 0, cols) == 4
+    assert nvfp4.swizzle_offset(1, 0, cols) == 16
+    assert nvfp4.swizzle_offset(0, 4, cols) == 512
+    assert nvfp4.swizzle_offset(128, 0, cols) == 512 * (cols // 4)
+    offsets = sorted(nvfp4.swizzle_offset(r, c, cols) for r in range(rows) for c in range(0, cols, 7))
     assert len(set(offsets)) == len(offsets)
-    assert torch.equal(ref.unswizzle_scales(sw, rows), logical)
-    as_fp8 = ref.swizzle_scales(logical.view(torch.float8_e4m3fn))
+    assert torch.equal(nvfp4.unswizzle_scales(sw, rows), logical)
+    as_fp8 = nvfp4.swizzle_scales(logical.view(torch.float8_e4m3fn))
     assert torch.equal(as_fp8, sw)
-    assert torch.equal(ref.unswizzle_scales(sw.view(torch.float8_e4m3fn), rows), logical)
+    assert torch.equal(nvfp4.unswizzle_scales(sw.view(torch.float8_e4m3fn), rows), logical)
 
 
 def test_swizzle_pads_rows():
     rows, cols = 200, 16
     gen = _gen(10)
     logical = torch.randint(1, 256, (rows, cols), generator=gen, dtype=torch.uint8)
-    sw = ref.swizzle_scales(logical)
+    sw = nvfp4.swizzle_scales(logical)
     assert sw.shape == (256, cols)
     flat = sw.reshape(-1)
     written = torch.zeros(256 * cols, dtype=torch.bool)
     for r in range(rows):
         for c in range(cols):
-            off = ref.swizzle_offset(r, c, cols)
+            off = nvfp4.swizzle_offset(r, c, cols)
             assert flat[off].item() == logical[r, c].item()
             written[off] = True
     assert bool((flat[~written] == 0).all())
     assert int((~written).sum()) == (256 - rows) * cols
-    assert torch.equal(ref.unswizzle_scales(sw, rows), logical)
+    assert torch.equal(nvfp4.unswizzle_scales(sw, rows), logical)
     with pytest.raises(ValueError):
-        ref.swizzle_scales(torch.zeros(128, 6, dtype=torch.uint8))
+        nvfp4.swizzle_scales(torch.zeros(128, 6, dtype=torch.uint8))
 
 
 # ------------------------------------------------------------------------------------------
@@ -255,9 +257,9 @@ def _bf16_ulp(x):
 def test_rms_norm_ref(with_residual):
     gen = _gen(11)
     m, eps = 5, 1e-6
-    x = torch.randn(m, ref.K, generator=gen).bfloat16()
-    res = (torch.randn(m, ref.K, generator=gen) * 2).bfloat16() if with_residual else None
-    w = (1 + 0.3 * torch.randn(ref.K, generator=gen)).bfloat16()
+    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    res = (torch.randn(m, HIDDEN, generator=gen) * 2).bfloat16() if with_residual else None
+    w = (1 + 0.3 * torch.randn(HIDDEN, generator=gen)).bfloat16()
     xn, r_out = ref.rms_norm_ref(x, res, w, eps)
     assert xn.dtype == torch.bfloat16 and r_out.dtype == torch.bfloat16 and xn.shape == x.shape
     if with_residual:
@@ -402,12 +404,12 @@ def test_qkv_fused_ref_chain():
     gen = _gen(16)
     m, nq, nkv, eps, qk_eps = 3, 4, 2, 1e-6, 1e-6
     n = (nq + 2 * nkv) * 128
-    x = torch.randn(m, ref.K, generator=gen).bfloat16()
-    res = torch.randn(m, ref.K, generator=gen).bfloat16()
-    nw = (1 + 0.1 * torch.randn(ref.K, generator=gen)).bfloat16()
-    w = (torch.randn(n, ref.K, generator=gen) * 0.02).bfloat16()
-    packed, scales, gs = ref.quantize_nvfp4(w)
-    wd = ref.dequantize_nvfp4(packed, scales, gs)
+    x = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    res = torch.randn(m, HIDDEN, generator=gen).bfloat16()
+    nw = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).bfloat16()
+    w = (torch.randn(n, HIDDEN, generator=gen) * 0.02).bfloat16()
+    packed, scales, gs = nvfp4.quantize(w)
+    wd = nvfp4.dequantize(packed, scales, gs)
     qw = (1 + 0.2 * torch.randn(128, generator=gen)).bfloat16()
     kw = (1 + 0.2 * torch.randn(128, generator=gen)).bfloat16()
     table = ref.make_cos_sin_cache(2048)

@@ -4,7 +4,8 @@ against norm -> gemv -> qk_norm_rope_cache on identical inputs (issue 5)."""
 import pytest
 import torch
 
-from flint_aot.reference import dequantize_nvfp4, expected_cache, gemv_ref, qk_norm_rope_ref, quantize_nvfp4
+from loader import nvfp4
+from loader.reference import expected_cache, gemv_ref, qk_norm_rope_ref
 from tests.conftest import needs_gpu
 from tests.test_qkv_gpu import _rel, _variants, check, make_case, op_args
 
@@ -34,8 +35,8 @@ def test_gemv_against_reference(gpu_bundle, fmt, n):
         if fmt == "bf16":
             args, dense = (w, None, None), w
         else:
-            packed, scales, gs = quantize_nvfp4(w)
-            args, dense = (packed, scales, gs), dequantize_nvfp4(packed, scales, gs)
+            packed, scales, gs = nvfp4.quantize(w)
+            args, dense = (packed, scales, gs), nvfp4.dequantize(packed, scales, gs)
         y = loader.gemv(x, *args)
         torch.cuda.synchronize()
         assert y.shape == (m, n) and y.dtype == torch.bfloat16 and not y.isnan().any()
@@ -57,7 +58,7 @@ def test_gemv_bad_inputs(gpu_bundle):
         loader.gemv(x, w)
     with pytest.raises(ValueError, match="multiple of 16"):
         loader.gemv(x, torch.zeros(32, 1024, dtype=torch.bfloat16, device="cuda"))
-    packed, scales, gs = quantize_nvfp4(torch.randn(48, K, device="cuda").bfloat16())
+    packed, scales, gs = nvfp4.quantize(torch.randn(48, K, device="cuda").bfloat16())
     with pytest.raises(ValueError, match=r"weight_scale must have shape \[128, 128\]"):
         loader.gemv(x, packed, scales[:48], gs)
     with pytest.raises(ValueError, match="needs weight_scale"):

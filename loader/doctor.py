@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flint_aot import reference as ref
+from loader import nvfp4
+from loader import reference as ref
 
 K, D = 2048, 128
 TOL = 1e-2  # SPEC §3: relative Frobenius error of q, k, v
@@ -33,8 +34,8 @@ def _weights(fmt, n, g):
     w = (torch.randn(n, K, device="cuda", generator=g) * 0.03).bfloat16()
     if fmt == "bf16":
         return (w, None, None), w
-    packed, scales, gs = ref.quantize_nvfp4(w)
-    return (packed, scales, gs), ref.dequantize_nvfp4(packed, scales, gs)
+    packed, scales, gs = nvfp4.quantize(w)
+    return (packed, scales, gs), nvfp4.dequantize(packed, scales, gs)
 
 
 def _timed(fn):

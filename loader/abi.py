@@ -1,0 +1,79 @@
+"""What the kernels, the build and the loader must agree on, written once (stdlib only): the fixed sizes,
+the launch geometry, the specialization axes and the spec of each kernel kind.
+
+Imported by the kernels (`flint_aot.kernels`), the config expansion (`flint_aot.config`) and the serve-time
+ops (`loader.ops`). A kernel's parameter list is not here: it is the kernel function's signature, recorded
+in the manifest by name (docs/bundle.md); the loader fills arguments by those names.
+"""
+
+from __future__ import annotations
+
+HIDDEN = 2048  # K: the model's hidden size, the GEMV's reduction length
+HEAD_DIM = 128
+HALF_DIM = HEAD_DIM // 2
+MAX_M = 8  # decode tokens per call
+ROWS_PER_CTA = 16  # GEMV output rows per CTA (128 threads)
+CLUSTER = HEAD_DIM // ROWS_PER_CTA  # CTAs per head in the fused kernel (one cluster)
+NVFP4_BLOCK = 16  # k values per e4m3 block scale
+SCALE_COLS = HIDDEN // NVFP4_BLOCK
+NVFP4_ROW_BYTES = HIDDEN // 2
+# The GEMV kernels index weight rows with 32-bit element offsets: row * 2048 (BF16) must stay below 2**31.
+MAX_GEMV_ROWS = (1 << 31) // HIDDEN - ROWS_PER_CTA
+E4M3_MAX = 448.0
+
+ARCH_CC = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
+KINDS = ("norm", "qkv", "gemv", "qk_norm_rope_cache")
+WEIGHT_FORMATS = ("bf16", "nvfp4")
+KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
+NORM_MODES = ("separate", "prologue")  # qkv: input norm in its own kernel, or in the qkv kernel's prologue
+
+# Grid rules name these symbols; the loader supplies their values at launch.
+GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS")
+GRID = {
+    "norm": ("M", 1, 1),  # one CTA per token
+    "qkv": ("ROW_BLOCKS", 1, 1),  # one CTA per 16 weight rows, clusters of CLUSTER
+    "gemv": ("ROW_BLOCKS", 1, 1),
+    "qk_norm_rope_cache": ("HEADS", 1, 1),  # one CTA per q, k and v head
+}
+
+# C types of kernel parameters: name -> (size, alignment); the loader packs them with natural alignment.
+PARAM_TYPES = {"ptr": (8, 8), "i32": (4, 4), "i64": (8, 8), "f32": (4, 4)}
+INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "i64": (-(1 << 63), (1 << 63) - 1)}
+F32_MAX = 3.4028234663852886e38
+
+
+# ------------------------------------------------------------------------- specs, one constructor per kind
+def norm_spec(residual: bool) -> dict:
+    return {"residual": bool(residual)}
+
+
+def qkv_spec(
+    weight_format: str, rope: bool, nq: int, nkv: int, kv_cache_dtype: str = "bf16", norm: str = "separate"
+) -> dict:
+    return {"weight_format": weight_format, "rope": bool(rope), "heads": [int(nq), int(nkv)],
+            "kv_cache_dtype": kv_cache_dtype, "norm": norm}  # fmt: skip
+
+
+def gemv_spec(weight_format: str) -> dict:
+    return {"weight_format": weight_format}
+
+
+def qk_norm_rope_cache_spec(rope: bool, kv_cache_dtype: str = "bf16") -> dict:
+    return {"rope": bool(rope), "kv_cache_dtype": kv_cache_dtype}
+
+
+def spec_name(kind: str, spec: dict) -> str:
+    """The specialization's name: unique per arch; the cubin's base name and its entry symbol's prefix."""
+    kv = "" if spec.get("kv_cache_dtype", "bf16") == "bf16" else "_kvfp8"
+    if kind == "norm":
+        spin = spec.get("debug_spin_cycles")
+        return f"norm_res{int(spec['residual'])}" + (f"_spin{spin}" if spin else "")
+    if kind == "qkv":
+        q, k = spec["heads"]
+        pro = "_prologue" if spec.get("norm") == "prologue" else ""
+        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}"
+    if kind == "gemv":
+        return f"gemv_{spec['weight_format']}"
+    if kind == "qk_norm_rope_cache":
+        return f"qk_norm_rope_cache_rope{int(spec['rope'])}{kv}"
+    raise ValueError(f"unknown kernel kind {kind!r}; known: {', '.join(KINDS)}")
