@@ -7,6 +7,8 @@
       weight_format: [bf16, nvfp4]
       rope: [true, false]
       heads: [[32, 4], [16, 8]] # (num_q_heads, num_kv_heads)
+      kv_cache_dtype: [bf16, fp8_e4m3]   # optional, default [bf16]
+      norm: [separate, prologue]         # optional, default [separate]
 
 Every error names the file, the key path, the offending value and what is accepted.
 """
@@ -19,12 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from loader.manifest import ARCH_CC
+from loader import abi
+from loader.abi import KINDS, KV_CACHE_DTYPES, NORM_MODES, WEIGHT_FORMATS
 
-ARCHS = tuple(ARCH_CC)
-WEIGHT_FORMATS = ("bf16", "nvfp4")
+ARCHS = tuple(abi.ARCH_CC)
 MAX_HEADS = 128
-KINDS = ("norm", "qkv", "gemv", "qk_norm_rope_cache")
 # norm.debug_spin_cycles: a debug build of the norm kernel that busy-waits this many clock cycles before
 # writing xn (a slow producer; proves that the qkv kernel waits for it). Never for serving.
 MAX_SPIN = 1 << 31
@@ -47,17 +48,10 @@ class Specialization:
 
 
 def spec_name(kind: str, spec: dict) -> str:
-    if kind == "norm":
-        spin = spec.get("debug_spin_cycles")
-        return f"norm_res{int(spec['residual'])}" + (f"_spin{spin}" if spin else "")
-    if kind == "qkv":
-        q, kv = spec["heads"]
-        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{kv}"
-    if kind == "gemv":
-        return f"gemv_{spec['weight_format']}"
-    if kind == "qk_norm_rope_cache":
-        return f"qk_norm_rope_cache_rope{int(spec['rope'])}"
-    raise ConfigError(f"unknown kernel kind {kind!r}")
+    try:
+        return abi.spec_name(kind, spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class _Checker:
@@ -135,19 +129,29 @@ def validate(raw, source: str = "<config>") -> dict:
             if v:
                 out["norm"]["debug_spin_cycles"] = v
     if "qkv" in raw:
-        q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True})
+        q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
+                                          "kv_cache_dtype": False, "norm": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
             "heads": [list(h) for h in c.heads(q["heads"], "qkv.heads")],
-        }
+            "kv_cache_dtype": list(c.choices(q.get("kv_cache_dtype", ["bf16"]), "qkv.kv_cache_dtype",
+                                             KV_CACHE_DTYPES)),
+            "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
+        }  # fmt: skip
     if "gemv" in raw:
         g = c.mapping(raw["gemv"], "gemv", {"weight_format": True})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
         out["gemv"] = {"weight_format": list(fmts)}
     if "qk_norm_rope_cache" in raw:
-        g = c.mapping(raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True})
-        out["qk_norm_rope_cache"] = {"rope": list(c.bools(g["rope"], "qk_norm_rope_cache.rope"))}
+        g = c.mapping(
+            raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
+        )
+        out["qk_norm_rope_cache"] = {
+            "rope": list(c.bools(g["rope"], "qk_norm_rope_cache.rope")),
+            "kv_cache_dtype": list(c.choices(g.get("kv_cache_dtype", ["bf16"]),
+                                             "qk_norm_rope_cache.kv_cache_dtype", KV_CACHE_DTYPES)),
+        }  # fmt: skip
     if not any(k in out for k in KINDS):
         raise ConfigError(
             f"{source}: <top level>: no kernels requested; accepted: one or more of the sections "
@@ -175,15 +179,18 @@ def expand(config: dict) -> list[Specialization]:
     if "norm" in config:
         spin = config["norm"].get("debug_spin_cycles")
         for res in config["norm"]["residual"]:
-            specs.append(("norm", {"residual": res, **({"debug_spin_cycles": spin} if spin else {})}))
+            specs.append(("norm", {**abi.norm_spec(res), **({"debug_spin_cycles": spin} if spin else {})}))
     if "qkv" in config:
         q = config["qkv"]
-        for fmt, rope, heads in itertools.product(q["weight_format"], q["rope"], q["heads"]):
-            specs.append(("qkv", {"weight_format": fmt, "rope": rope, "heads": list(heads)}))
+        axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
+                q.get("norm", ["separate"]))  # fmt: skip
+        for fmt, rope, (nq, nkv), kv, norm in itertools.product(*axes):
+            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm)))
     for fmt in config.get("gemv", {}).get("weight_format", []):
-        specs.append(("gemv", {"weight_format": fmt}))
-    for rope in config.get("qk_norm_rope_cache", {}).get("rope", []):
-        specs.append(("qk_norm_rope_cache", {"rope": rope}))
+        specs.append(("gemv", abi.gemv_spec(fmt)))
+    g = config.get("qk_norm_rope_cache", {})
+    for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
+        specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))
     return [
         Specialization(kind, spec_name(kind, spec), spec, arch)
         for kind, spec in specs

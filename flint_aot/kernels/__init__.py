@@ -1,5 +1,8 @@
-"""Kernel registry. Importing this package does not import the DSL: each kernel module is imported
-only inside the compile subprocess (`flint_aot.compile_one`)."""
+"""Kernel registry: one module per kernel kind, named after it (norm, qkv, gemv, qk_norm_rope_cache), each
+exposing `compile(spec, arch, entry_prefix) -> compile.Compiled`; device helpers several kernels share live in
+`device` (generic) and `gemv_core` (the CTA GEMV), the compile plumbing in `compile`. Importing this package
+does not import the DSL: kernel modules are imported only inside the compile subprocess
+(`flint_aot.compile_one`)."""
 
 from __future__ import annotations
 
@@ -7,13 +10,9 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-# kind -> module implementing `compile(spec, arch, entry_prefix) -> common.Compiled`
-MODULES = {
-    "norm": "flint_aot.kernels.norm",
-    "qkv": "flint_aot.kernels.qkv",
-    "gemv": "flint_aot.kernels.gemv_op",
-    "qk_norm_rope_cache": "flint_aot.kernels.qk_norm_rope",
-}
+from loader.abi import KINDS
+
+MODULES = {kind: f"flint_aot.kernels.{kind}" for kind in KINDS}
 
 _DIR = Path(__file__).resolve().parent
 
@@ -30,9 +29,10 @@ def implemented(kind: str, spec: dict) -> bool:
 
 
 def source_hash() -> str:
-    """sha256 over every kernel source file: any change to device code invalidates the build cache."""
+    """sha256 over every kernel source file and loader/abi.py (the sizes they compile in): any change to
+    device code invalidates the build cache."""
     h = hashlib.sha256()
-    for p in sorted(_DIR.glob("*.py")):
+    for p in [*sorted(_DIR.glob("*.py")), _DIR.parent.parent / "loader" / "abi.py"]:
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 

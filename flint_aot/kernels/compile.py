@@ -1,0 +1,94 @@
+"""Offline compile of one kernel to a cubin (imports the DSL; runs in the compile subprocess).
+
+A kernel's parameter list is its @cute.kernel function's signature, written once: compile_kernel reads the
+names and types from it (kernel_params), records them in the manifest (the ABI the loader fills by name), and
+builds the DSL host function and placeholder arguments from it. Only flat parameters are used: global
+pointers and Int32 / Int64 / Float32 scalars, each one .param with natural alignment, in signature order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+from loader.abi import GRID
+
+_C_TYPE = {cute.Pointer: "ptr", Int32: "i32", Int64: "i64", Float32: "f32"}
+
+
+@dataclass
+class Compiled:
+    cubin: bytes
+    ptx: str
+    entry: str
+    params: tuple  # ((name, C type), ...)
+    block: tuple
+    cluster: tuple
+    grid: tuple
+    dyn_smem: int
+
+
+def kernel_params(kernel) -> tuple[tuple[str, str], ...]:
+    """(name, C type) of each parameter of a @cute.kernel function, in order: the kernel's ABI."""
+    out = []
+    for name, p in inspect.signature(kernel, eval_str=True).parameters.items():
+        typ = _C_TYPE.get(p.annotation)
+        if typ is None:
+            raise TypeError(
+                f"{kernel.__name__}({name}): {p.annotation!r} is not a flat parameter type the loader packs "
+                "(cute.Pointer, Int32, Int64, Float32)"
+            )
+        out.append((name, typ))
+    return tuple(out)
+
+
+def _placeholders(params, ptr_types: dict):
+    """Host arguments matching the parameter list; values are irrelevant, pointer element types and assumed
+    alignments are not: ptr_types maps a pointer's name to (dtype, alignment), default (BFloat16, 16)."""
+    out = []
+    for i, (name, typ) in enumerate(params):
+        if typ == "ptr":
+            dtype, align = ptr_types.get(name, (BFloat16, 16))
+            out.append(make_ptr(dtype, 0x10000 * (i + 1), cute.AddressSpace.gmem, assumed_align=align))
+        else:
+            out.append({"i32": Int32(1), "i64": Int64(1), "f32": Float32(1e-6)}[typ])
+    out.append(make_fake_stream())
+    return out
+
+
+def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tuple, cluster=(1, 1, 1),
+                   dyn_smem: int = 0, ptr_types: dict | None = None) -> Compiled:  # fmt: skip
+    """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
+    cubin as .reqntid), cluster and dynamic shared memory (launch attributes) and the kind's grid rule."""
+    kernel.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
+    params = kernel_params(kernel)
+    launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
+    if cluster != (1, 1, 1):
+        launch["cluster"] = list(cluster)
+    if dyn_smem:
+        launch["smem"] = dyn_smem
+
+    @cute.jit
+    def host(*args):
+        *kargs, stream = args
+        kernel(*kargs).launch(stream=stream, **launch)
+
+    with tempfile.TemporaryDirectory(prefix="flint-aot-dsl-") as d:
+        c = cute.compile(
+            host, *_placeholders(params, ptr_types or {}),
+            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {d}",
+        )  # fmt: skip
+        cubin, ptx = c.artifacts.CUBIN, c.artifacts.PTX
+    names = list(c.kernel_info)
+    if len(names) != 1:
+        raise RuntimeError(f"expected one kernel in the compile, got {names}")
+    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem)
+
+
+__all__ = ["Compiled", "compile_kernel", "kernel_params", "cutlass"]

@@ -1,0 +1,324 @@
+"""The GEMV of one CTA, shared by the fused qkv kernel and the standalone GEMV kernel: 16 output rows per
+CTA of 128 threads, all M <= 8 tokens, fp32 accumulation on tensor cores (mma.sync m16n8k16, bf16 in,
+fp32 out).
+
+K split and summation order (fixed, so every kernel built on it rounds the same sums):
+* warp w owns k in [512 w, 512 w + 512) as 16 blocks of 32; in block b, lane (g, t) = (lane / 4, lane % 4)
+  holds the 8 consecutive k in [512 w + 32 b + 8 t, +8) of rows g and g + 8 (one 16-byte load each) and
+  of token g (x). Those 8 k feed two mma.sync (pairs 0,1 then pairs 2,3: a K permutation, the same for A
+  and B, so the dot product is unchanged).
+* each warp accumulates its 32 mma in one chain per 16-wide half (acc[b % 2]) in block order, adds the two
+  chains, and the four warps' partial sums are added in warp order 0, 1, 2, 3 through shared memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+
+from flint_aot.kernels.device import lanes
+from loader.abi import HIDDEN, NVFP4_ROW_BYTES, ROWS_PER_CTA, SCALE_COLS
+
+K = HIDDEN
+ROWS = ROWS_PER_CTA
+THREADS = 128
+WARPS = THREADS // 32
+NB = K // 32 // WARPS  # 32-wide k blocks per warp
+
+
+def ld_weight(ptr):
+    """16 bytes of weights: read once, never written by a predecessor -> non-coherent path, no L1 allocation,
+    256-byte L2 fetch."""
+    return cute.arch.inline_ptx(
+        "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32] * 4,
+        read_only_args=[ptr],
+    )
+
+
+def ld_act(ptr):
+    """16 bytes of activations written by the previous kernel: plain coherent load (never .nc, which ptxas
+    may hoist above griddepcontrol.wait)."""
+    return cute.arch.inline_ptx(
+        "ld.global.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32] * 4,
+        read_only_args=[ptr],
+    )
+
+
+def mma_bf16(a, b, c):
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0},{$w1},{$w2},{$w3}}, "
+        "{{$r0},{$r1},{$r2},{$r3}}, {{$r4},{$r5}}, {{$r6},{$r7},{$r8},{$r9}};",
+        write_only_types=[Float32] * 4,
+        read_only_args=[*a, *b, *c],
+    )
+
+
+def as_f32(i):
+    return Float32(llvm.bitcast(Float32.mlir_type, i.ir_value()))
+
+
+def issue_weight_loads(w, row0, tid):
+    """Issue all of this thread's weight loads (32 x 16 B); returns [(lo, hi)] per k block."""
+    warp, _, g, t = lanes(tid)
+    wa = w + ((row0 + g) * K + warp * (NB * 32) + t * 8)
+    return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * K + b * 32))) for b in range(NB)]
+
+
+def ld_shared(ptr):
+    return cute.arch.inline_ptx(
+        "ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32] * 4,
+        read_only_args=[ptr],
+    )
+
+
+class SharedX:
+    """x [8, K] staged in this CTA's shared memory (row stride `row` elements) by the cluster's multicast
+    bulk copies (qkv.py); `ready()` waits on their mbarrier. Passed instead of the global x pointer, it
+    changes where the fragments come from, not the MMA sequence: results stay bit-identical."""
+
+    def __init__(self, base, row, mbar):
+        self.base, self.row, self.mbar = base, row, mbar
+
+    def ready(self):
+        cute.arch.mbarrier_wait(self.mbar, 0)
+
+    def load(self, tok, k):
+        return ld_shared(self.base + (tok * self.row + k))
+
+
+def _x_loads(x, tok, ks):
+    """16-byte x fragments at token tok and element offsets ks: global loads, or shared once staged."""
+    if isinstance(x, SharedX):
+        x.ready()
+        return [x.load(tok, k) for k in ks]
+    xa = x + tok * K
+    return [ld_act(xa + k) for k in ks]
+
+
+def runtime_zero(regs, m):
+    """An Int32 that is 0 at run time (m >= 1) but depends on every register in regs, so ptxas must issue
+    every load before anything that uses it (it otherwise sinks loads next to their use, and may move
+    griddepcontrol.wait above .nc loads)."""
+    f = regs[0]
+    for r in regs[1:]:
+        f = f ^ r
+    return f & (m >> 31)
+
+
+def mma_partials(A, x, m, tid, zero):
+    """This warp's partial sums for its K quarter: [d0, d1, d2, d3] with d0/d1 = (row g, tokens 2t, 2t+1),
+    d2/d3 = (row g + 8, tokens 2t, 2t+1). A from issue_weight_loads; x bf16 [m, K] (tokens >= m read token
+    m - 1; their columns are never stored)."""
+    warp, _, g, t = lanes(tid)
+    tok = cutlass.min(g, m - 1)
+    X = _x_loads(x, tok, [warp * (NB * 32) + t * 8 + b * 32 for b in range(NB)])
+    z = as_f32(zero)
+    acc = [[z, z, z, z], [z, z, z, z]]
+    for b in range(NB):
+        lo, hi = A[b]
+        for j in range(2):
+            c = acc[j]
+            acc[j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),
+                                   (X[b][2 * j], X[b][2 * j + 1]), c))  # fmt: skip
+    return [acc[0][i] + acc[1][i] for i in range(4)]
+
+
+def reduce_rows(d, tid, red):
+    """Cross-warp sum in warp order. red: smem fp32 tensor of WARPS*ROWS*8. After the call (it syncs the CTA)
+    thread i < ROWS*8 gets the full sum for row i % 16, token i // 16."""
+    warp, _, g, t = lanes(tid)
+    base = warp * (ROWS * 8) + g * 8 + 2 * t
+    red[base] = d[0]
+    red[base + 1] = d[1]
+    red[base + 64] = d[2]
+    red[base + 65] = d[3]
+    cute.arch.sync_threads()
+    r = tid % ROWS
+    tk = tid // ROWS
+    s = red[r * 8 + tk]
+    for q in range(1, WARPS):
+        s = s + red[q * (ROWS * 8) + r * 8 + tk]
+    return s
+
+
+# ----------------------------------------------------------------------------- NVFP4 weights
+# Weight rows are 1024 bytes of e2m1 codes (low nibble = even k) plus 128 e4m3 block scales (one per 16 k) in
+# the 128x4-swizzled layout, read in place. Same CTA shape and MMA as BF16, with another K split:
+# * warp w owns k in [512 w, 512 w + 512) as 16 chunks of 32 k (16 code bytes); lane (g, t) owns chunks
+#   4 c + t, c = 0..3, of rows g and g + 8 (one 16-byte load each: a warp instruction reads 8 rows x 64
+#   contiguous bytes), their 2 block scales (half of a 4-byte swizzle group) and x of token g at those k;
+# * code word i = 4 c + u (k0 = 512 w + 128 c + 32 t + 8 u, .. k0 + 7) decodes to 4 bf16x2 registers
+#   P_j = (k0 + j, k0 + j + 4), j = 0..3, and x is permuted to the same pairs; word i feeds MMA 2 i (P_0, P_1)
+#   and 2 i + 1 (P_2, P_3): a K permutation shared by A and B, so the dot product is unchanged;
+# * decoded weights are e2m1 * e4m3 * 2^-7 (exact in bf16: at most 5 significant bits, always normal); the
+#   fp32 row sums are multiplied by global_scale * 2^7 after the cross-warp reduction (reduce_rows order).
+KB = NVFP4_ROW_BYTES  # code bytes per row
+FP4_CHUNKS = KB // 16 // WARPS // 4  # 16-byte code chunks per thread per row (4)
+FP4_WORDS = FP4_CHUNKS * 4  # 32-bit code words per thread per row (16)
+FP4_PRE = FP4_WORDS // 2  # words per row decoded before griddepcontrol.wait: what fits in 168 registers
+
+
+def ld_weight_b32(ptr):
+    return cute.arch.inline_ptx(
+        "ld.global.nc.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[ptr]
+    )
+
+
+def issue_fp4_loads(wq, sf, row0, tid):
+    """This thread's code and scale loads, rows g and g + 8: (codes[2][16 words], scales[2][4 words]);
+    scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2)."""
+    warp, _, g, t = lanes(tid)
+    codes, scales = [], []
+    for r in (row0 + g, row0 + g + 8):
+        a = wq + (r * KB + warp * (KB // WARPS) + t * 16)
+        words = []
+        for c in range(FP4_CHUNKS):
+            words.extend(ld_weight(a + 64 * c))
+        codes.append(words)
+        # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2 (SPEC §4 offsets)
+        grp = (r // 128) * (SCALE_COLS // 4) + warp * 8 + t // 2
+        s = sf + (grp * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4)
+        scales.append([ld_weight_b32(s + 1024 * c) for c in range(FP4_CHUNKS)])
+    return codes, scales
+
+
+def fp4_scale_pair(word, tid):
+    """The two e4m3 block scales of this thread's chunk (half t % 2 of a swizzle group word) -> 2 bf16x2,
+    each a broadcast of e4m3 * 2^119 (exact)."""
+    half = word >> ((tid % 2) * 16)
+    return cute.arch.inline_ptx(
+        "{ .reg .b16 lo, a, b; .reg .b32 p; .reg .f32 fa, fb;"
+        " cvt.u16.u32 lo, {$r0}; cvt.rn.f16x2.e4m3x2 p, lo; mov.b32 {a, b}, p;"
+        " cvt.f32.f16 fa, a; cvt.f32.f16 fb, b;"
+        " mul.f32 fa, fa, 0f7B000000; mul.f32 fb, fb, 0f7B000000;"
+        " cvt.rn.bf16x2.f32 {$w0}, fa, fa; cvt.rn.bf16x2.f32 {$w1}, fb, fb; }",
+        write_only_types=[Int32] * 2,
+        read_only_args=[half],
+    )
+
+
+def fp4_decode(word, scale):
+    """8 e2m1 codes (nibble n = k0 + n) times a bf16x2 block scale -> 4 bf16x2 P_j = (k0 + j, k0 + j + 4).
+
+    A nibble s|e1 e0|m moved to bf16 bits 15 | 8:7 | 6 is the e2m1 value times 2^-126 (e = 0 lands on the
+    bf16 subnormals 0.5 * m * 2^-126). The multiply by 0x1040 (0x104 for the odd nibbles, already 4 bits up)
+    copies bits 2:0 to 8:6 and bit 3 to 15 at once; the mask keeps those. Times e4m3 * 2^119: e2m1 * e4m3
+    * 2^-7, exact."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 hi8, e0, e1, e2, e3;"
+        " shr.u32 hi8, {$r0}, 8;"
+        " and.b32 e0, {$r0}, 0x000F000F; and.b32 e1, {$r0}, 0x00F000F0;"
+        " and.b32 e2, hi8, 0x000F000F; and.b32 e3, hi8, 0x00F000F0;"
+        " mul.lo.u32 e0, e0, 0x1040; mul.lo.u32 e1, e1, 0x104;"
+        " mul.lo.u32 e2, e2, 0x1040; mul.lo.u32 e3, e3, 0x104;"
+        " and.b32 e0, e0, 0x81C081C0; and.b32 e1, e1, 0x81C081C0;"
+        " and.b32 e2, e2, 0x81C081C0; and.b32 e3, e3, 0x81C081C0;"
+        " mul.rn.bf16x2 {$w0}, e0, {$r1}; mul.rn.bf16x2 {$w1}, e1, {$r1};"
+        " mul.rn.bf16x2 {$w2}, e2, {$r1}; mul.rn.bf16x2 {$w3}, e3, {$r1}; }",
+        write_only_types=[Int32] * 4,
+        read_only_args=[word, scale],
+    )
+
+
+def fp4_x_pairs(v):
+    """16 bytes of x (k0..k0+7 as 4 bf16x2 words) -> the pairs (k0 + j, k0 + j + 4), j = 0..3."""
+    return cute.arch.inline_ptx(
+        "prmt.b32 {$w0}, {$r0}, {$r2}, 0x5410; prmt.b32 {$w1}, {$r0}, {$r2}, 0x7632;"
+        " prmt.b32 {$w2}, {$r1}, {$r3}, 0x5410; prmt.b32 {$w3}, {$r1}, {$r3}, 0x7632;",
+        write_only_types=[Int32] * 4,
+        read_only_args=list(v),
+    )
+
+
+def fp4_decode_rows(codes, scales, words, tid):
+    """Decoded bf16x2 for the given word indices of both rows: D[row][i] = 4 registers."""
+    out = []
+    for row in range(2):
+        sc = {}
+        d = {}
+        for i in words:
+            c = i // 4
+            if c not in sc:
+                sc[c] = fp4_scale_pair(scales[row][c], tid)
+            d[i] = fp4_decode(codes[row][i], sc[c][(i % 4) // 2])  # 2 words (16 k) per block scale
+        out.append(d)
+    return out
+
+
+def fp4_mma_partials(D, x, m, tid):
+    """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words).
+    The x loads are fenced: every one is issued right after the wait, before the first MMA."""
+    warp, _, g, t = lanes(tid)
+    tok = cutlass.min(g, m - 1)
+    ks = [warp * (K // WARPS) + t * 32 + 128 * (i // 4) + 8 * (i % 4) for i in range(FP4_WORDS)]
+    X = _x_loads(x, tok, ks)
+    if isinstance(x, SharedX):
+        z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)
+    else:
+        flat = []
+        for v in X:
+            flat.extend(v)
+        z = as_f32(runtime_zero(flat, m))  # all 16 global x loads issued at once, before the first MMA
+    acc = [[z, z, z, z], [z, z, z, z]]
+    for i in range(FP4_WORDS):
+        xp = fp4_x_pairs(X[i])
+        a, b = D[0][i], D[1][i]
+        for h in range(2):
+            acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
+                                   (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
+    return [acc[0][i] + acc[1][i] for i in range(4)]
+
+
+# ----------------------------------------------------------------------------- the GEMV of one CTA
+# The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m):
+    """Issue this CTA's whole weight slice (NVFP4: codes, scales and half of the decode), then
+    griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
+    neither sink the loads below the wait nor hoist the wait above them). Returns the state for row_sums."""
+    st = {}
+    if fp4:
+        codes, scw = issue_fp4_loads(w, wsc, row0, tid)
+        st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
+        st["D"] = fp4_decode_rows(codes, scw, range(FP4_PRE), tid)
+        st["codes"], st["scw"] = codes, scw
+        flat = scw[0][2:] + scw[1][2:] + codes[0][FP4_PRE:] + codes[1][FP4_PRE:]
+        for row in st["D"]:
+            for regs in row.values():
+                flat.extend(regs)
+    else:
+        st["A"] = issue_weight_loads(w, row0, tid)
+        flat = []
+        for lo, hi in st["A"]:
+            flat.extend(lo)
+            flat.extend(hi)
+    st["zero"] = runtime_zero(flat, m)
+    guarded_wait(st["zero"])
+    return st
+
+
+@cute.jit
+def guarded_wait(zero: Int32):
+    if zero == 0:  # always true at run time
+        cute.arch.griddepcontrol_wait()
+
+
+def row_sums(fp4: bool, st, x, m, tid):
+    """The GEMV of this CTA's 16 rows for all tokens, after weights_then_wait: thread tid gets the fp32
+    sum (times the global scale for NVFP4) of row tid % 16, token tid // 16 (syncs the CTA)."""
+    if fp4:
+        rest = fp4_decode_rows(st["codes"], st["scw"], range(FP4_PRE, FP4_WORDS), tid)
+        d = fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid)
+    else:
+        d = mma_partials(st["A"], x, m, tid, st["zero"])
+    red = cute.make_tensor(
+        cute.arch.alloc_smem(Float32, WARPS * ROWS * 8, alignment=16), cute.make_layout(WARPS * ROWS * 8)
+    )
+    s = reduce_rows(d, tid, red)
+    if fp4:
+        s = s * st["gs"]
+    return s
