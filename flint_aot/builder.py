@@ -1,18 +1,31 @@
 """Build a bundle: compile every specialization (each in its own process, in parallel), reuse cached
-cubins, and replace the output directory atomically with the new bundle, manifest written last."""
+cubins, and replace the output directory atomically with the new bundle, manifest written last.
+
+Two steps: `prepare` checks everything that can be checked without compiling (the config, the output and
+cache paths, which specializations the cache already holds) and `execute` compiles the rest and installs
+the bundle. `build` does both. A `Stop` (set from a signal handler) cancels a build at any point before the
+bundle is swapped into place: queued compiles never start, running ones are killed with their process
+groups, the cache keeps what finished and the previous bundle stays as it was.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import hashlib
 import json
 import os
+import queue
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -20,14 +33,24 @@ from pathlib import Path
 from flint_aot import __version__, kernels
 from flint_aot.config import Specialization, expand, load_config
 from loader.bundle import check_cubin
+from loader.elf import CubinError
 from loader.manifest import MANIFEST_NAME, KernelEntry, Manifest, Param, sha256_bytes
 
 _ROOT = Path(__file__).resolve().parent.parent
 COMPILE_TIMEOUT_S = 900
+KILL_GRACE_S = 0.5  # after SIGTERM to a compile's process group, before SIGKILL
 
 
 class BuildError(RuntimeError):
     pass
+
+
+class BuildInterrupted(BuildError):
+    """The build was stopped (a signal); nothing was installed. `signum` is the signal's number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass
@@ -50,6 +73,56 @@ class BuildResult:
         return sum(r.status == "compiled" for r in self.rows)
 
 
+@dataclass
+class Plan:
+    """What a build will do, decided before anything is compiled (see `prepare`)."""
+
+    config_path: Path
+    config: dict
+    out: Path
+    cache: Path
+    todo: list[Specialization]  # every specialization to put in the bundle, in bundle order
+    skipped: list[Specialization]
+    cached: dict[str, Row]  # label -> row, for those the cache already holds
+    pending: list[tuple[Specialization, str]]  # (spec, cache key) still to compile
+    dsl: str
+
+
+class Stop:
+    """A cancellation request, safe to make from a signal handler (`request` only stores the signal number
+    and wakes the build's event queue; `queue.SimpleQueue.put` is reentrant)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._queues: list[queue.SimpleQueue] = []
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def request(self, signum: int = signal.SIGINT) -> None:
+        if self.signum is None:
+            self.signum = signum
+        for q in list(self._queues):
+            q.put(None)
+
+    def _attach(self, q: queue.SimpleQueue) -> None:
+        self._queues.append(q)
+
+    @contextlib.contextmanager
+    def on_signals(self, *signums: int):
+        """Turn the given signals into a stop request while the block runs (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = {s: signal.signal(s, lambda n, _frame: self.request(n)) for s in signums}
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
 def dsl_version() -> str:
     try:
         return metadata.version("nvidia-cutlass-dsl")
@@ -65,6 +138,14 @@ def default_cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "flint-aot"
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask; a container's CPU set), the default for -j."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def build_key(s: Specialization, src: str, dsl: str) -> str:
@@ -98,6 +179,32 @@ def _entry(s: Specialization, key: str, cubin: bytes, meta: dict) -> KernelEntry
     )
 
 
+# ----------------------------------------------------------------------------- stale leftovers
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _sweep(folder: Path, prefix: str) -> None:
+    """Remove folder/PREFIX<pid>-* left by builds that were killed (their pid no longer exists)."""
+    try:
+        items = list(folder.glob(f"{prefix}*"))
+    except OSError:
+        return
+    for p in items:
+        try:
+            pid = int(p.name[len(prefix) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------------- cache
 def _cache_get(cache: Path, key: str) -> tuple[bytes, dict] | None:
     d = cache / key
@@ -106,14 +213,15 @@ def _cache_get(cache: Path, key: str) -> tuple[bytes, dict] | None:
         cubin = (d / "kernel.cubin").read_bytes()
     except (OSError, ValueError):
         return None
-    if sha256_bytes(cubin) != meta.get("sha256"):
+    if not isinstance(meta, dict) or sha256_bytes(cubin) != meta.get("sha256"):
         return None  # damaged entry: recompile
     return cubin, meta
 
 
 def _cache_put(cache: Path, key: str, cubin: bytes, meta: dict) -> None:
+    """Store atomically: written into .tmp-PID-*, then renamed to its key (a reader sees all or nothing)."""
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}.", dir=cache))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=cache))
     try:
         (tmp / "kernel.cubin").write_bytes(cubin)
         (tmp / "meta.json").write_text(json.dumps(dict(meta, sha256=sha256_bytes(cubin)), sort_keys=True))
@@ -125,26 +233,169 @@ def _cache_put(cache: Path, key: str, cubin: bytes, meta: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ----------------------------------------------------------------------------- paths, checked up front
+def _nearest_existing(p: Path) -> Path:
+    while not os.path.lexists(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _mount_points() -> set[str]:
+    """Every mount point of this process's mount namespace (bind mounts included, which os.path.ismount
+    misses when they stay on one file system)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            fields = [line.split(" ")[4] for line in f if line.count(" ") >= 4]
+    except OSError:
+        return set()
+    unescape = lambda m: chr(int(m.group(1), 8))  # noqa: E731 - mountinfo writes space as \040 etc.
+    return {re.sub(r"\\([0-7]{3})", unescape, f) for f in fields}
+
+
+def is_mount_point(p: Path) -> bool:
+    try:
+        return os.path.ismount(p) or os.path.realpath(p) in _mount_points()
+    except OSError:
+        return False
+
+
+def _writable(d: Path) -> str | None:
+    """Why files cannot be created in the existing directory d, or None."""
+    if os.access(d, os.W_OK | os.X_OK):
+        return None
+    with contextlib.suppress(OSError):
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            return "is on a read-only file system"
+    return "is not writable by this user"
+
+
+def check_writable_dir(p: Path, what: str, fix: str) -> None:
+    """p is a directory, or can be created as one, that this process can write into; else a one-line
+    BuildError naming p and the fix."""
+    base = _nearest_existing(p)
+    if not base.is_dir():
+        where = "is a file" if base == p else f"lies under {base}, which is a file"
+        raise BuildError(f"{what} {p} {where}, not a directory; {fix}")
+    why = _writable(base)
+    if why:
+        raise BuildError(f"{what} {p}: {base} {why}; {fix}")
+
+
+def check_output_path(out: Path) -> None:
+    """Everything installing the bundle needs, checked before compiling: out is absent, empty or a bundle;
+    out's parent can be written (the staging folder goes beside out); out can be renamed (a mount point
+    cannot: the atomic swap renames the bundle directory) and its old contents removed."""
+    fix = "choose another -o"
+    if not os.path.lexists(out):
+        check_writable_dir(out, "output", fix)
+        return
+    if not out.is_dir():
+        raise BuildError(f"output {out} is a file, not a bundle directory; {fix}")
+    try:
+        entries = list(out.iterdir())
+    except OSError as e:
+        raise BuildError(f"output {out}: cannot list it ({e.strerror}); {fix}") from None
+    if entries and not (out / MANIFEST_NAME).exists():
+        raise BuildError(f"{out} exists and is not a flint-aot bundle; refusing to replace it ({fix})")
+    if is_mount_point(out):
+        raise BuildError(
+            f"output {out} is a mount point: the build replaces a bundle by renaming its directory, which "
+            f"a mount point cannot be; use a directory inside it (-o {out / 'flint'})"
+        )
+    for d in (out.parent, out):
+        why = _writable(d)
+        if why:
+            raise BuildError(f"output {out}: {d} {why}; {fix}")
+
+
+def check_cache_dir(cache: Path) -> None:
+    check_writable_dir(cache, "cache directory", "choose another with --cache-dir or $FLINT_AOT_CACHE")
+
+
 # ----------------------------------------------------------------------------- compile
-def _compile(s: Specialization) -> tuple[bytes, dict]:
-    with tempfile.TemporaryDirectory(prefix="flint-aot-compile-") as d:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-        cmd = [
-            sys.executable, "-m", "flint_aot.compile_one",
-            s.kind, json.dumps(s.spec), s.arch, kernels.entry_prefix(s.name), d,
-        ]  # fmt: skip
+def _compile_command(s: Specialization, work: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "flint_aot.compile_one",
+        s.kind, json.dumps(s.spec), s.arch, kernels.entry_prefix(s.name), str(work),
+    ]  # fmt: skip
+
+
+class _Compiler:
+    """Runs compile processes, each in its own session (so a terminal's Ctrl-C reaches only the builder,
+    which decides) and its own work folder under the cache's .work-PID-* (TMPDIR of the compile: the DSL's
+    scratch files land there too, and are removed with it)."""
+
+    def __init__(self, work_root: Path, stop: Stop):
+        self.work_root = work_root
+        self.stop = stop
+        self.lock = threading.Lock()
+        self.running: set[subprocess.Popen] = set()
+        self.closed = False  # set when the build ends early for any reason: start nothing more
+
+    @property
+    def _stopped(self) -> bool:
+        return self.closed or self.stop.requested
+
+    def compile(self, s: Specialization) -> tuple[bytes, dict, float] | None:
+        """(cubin, meta, seconds), or None when stopped before or during the compile."""
+        if self._stopped:
+            return None
+        t0 = time.perf_counter()
+        work = Path(tempfile.mkdtemp(prefix=f"{s.name}.{s.arch}.", dir=self.work_root))
         try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise BuildError(f"{s.label}: compile timed out after {COMPILE_TIMEOUT_S} s") from None
-        if p.returncode != 0:
-            how = f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit status {p.returncode}"
-            tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-15:])
-            raise BuildError(f"{s.label}: compile failed ({how})\n{tail}")
-        cubin = Path(d, "kernel.cubin").read_bytes()
-        meta = json.loads(Path(d, "meta.json").read_text())
-    return cubin, meta
+            env = dict(os.environ, TMPDIR=str(work), FLINT_AOT_BUILDER_PID=str(os.getpid()))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
+            with self.lock:
+                if self._stopped:
+                    return None
+                p = subprocess.Popen(
+                    _compile_command(s, work), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
+                )  # fmt: skip
+                self.running.add(p)
+            try:
+                stdout, stderr = p.communicate(timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._signal(p, signal.SIGKILL)
+                p.communicate()
+                raise BuildError(f"{s.label}: compile timed out after {COMPILE_TIMEOUT_S} s") from None
+            finally:
+                with self.lock:
+                    self.running.discard(p)
+            if self._stopped:
+                return None
+            if p.returncode != 0:
+                how = (
+                    f"killed by signal {-p.returncode}" if p.returncode < 0 else f"exit status {p.returncode}"
+                )
+                tail = "\n".join((stderr or stdout).strip().splitlines()[-15:])
+                raise BuildError(f"{s.label}: compile failed ({how})\n{tail}")
+            cubin = (work / "kernel.cubin").read_bytes()
+            meta = json.loads((work / "meta.json").read_text())
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return cubin, meta, time.perf_counter() - t0
+
+    @staticmethod
+    def _signal(p: subprocess.Popen, sig: int) -> None:
+        if p.poll() is None:  # not reaped yet: its pid is still its process group's id
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+
+    def kill_all(self) -> None:
+        """Start nothing more; SIGTERM every running compile's process group, SIGKILL what is left after
+        KILL_GRACE_S."""
+        with self.lock:
+            self.closed = True
+            procs = list(self.running)
+        for p in procs:
+            self._signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE_S
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            self._signal(p, signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------- install
@@ -182,103 +433,164 @@ def _install(staging: Path, out: Path) -> None:
     _fsync_dir(out.parent)
 
 
-def _check_output_dir(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).exists())):
+# ----------------------------------------------------------------------------- build
+def prepare(
+    config_path: str | os.PathLike, out: str | os.PathLike, cache_dir: str | os.PathLike | None = None
+) -> Plan:
+    """Validate the config and the output and cache paths, and look up the cache. Compiles nothing, writes
+    nothing; every error here is a one-line BuildError/ConfigError."""
+    config = load_config(config_path)
+    out = Path(out).absolute()
+    if out.is_symlink():
+        out = out.resolve()  # replace the bundle the link points to, keep the link
+    check_output_path(out)
+    cache = Path(cache_dir).absolute() if cache_dir else default_cache_dir().absolute()
+    check_cache_dir(cache)
+    specs = expand(config)
+    todo = [s for s in specs if kernels.implemented(s.kind, s.spec)]
+    if not todo:
+        raise BuildError(f"{config_path}: none of the requested kernels is implemented in this version")
+    src, dsl = kernels.source_hash(), dsl_version()
+    cached: dict[str, Row] = {}
+    pending = []
+    for s in todo:
+        key = build_key(s, src, dsl)
+        hit = _cache_get(cache, key)
+        entry = None
+        if hit is not None:
+            try:
+                entry = _entry(s, key, *hit)
+            except (CubinError, KeyError, TypeError, ValueError):
+                entry = None  # damaged entry: recompile
+        if entry is not None and not check_cubin(entry, hit[0]):
+            cached[s.label] = Row(s, "cached", entry, 0.0, hit[0])
+        else:
+            pending.append((s, key))
+    skipped = [s for s in specs if not kernels.implemented(s.kind, s.spec)]
+    return Plan(Path(config_path), config, out, cache, todo, skipped, cached, pending, dsl)
+
+
+def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) -> BuildResult:
+    """Compile plan.pending (jobs at a time), store each in the cache as it finishes, then install the
+    bundle. progress: optional callable(label, status, seconds) per compile as it finishes ("compiled" or
+    "FAILED"). Raises BuildInterrupted when stop is requested before the bundle is installed."""
+    stop = stop or Stop()
+    rows = dict(plan.cached)
+    if stop.requested:
+        raise _interrupted(plan, stop, rows)
+    errors = []
+    _sweep(plan.cache, ".work-")  # what builds killed by SIGKILL left
+    _sweep(plan.cache, ".tmp-")
+    if plan.pending:
+        plan.cache.mkdir(parents=True, exist_ok=True)
+        work_root = Path(tempfile.mkdtemp(prefix=f".work-{os.getpid()}-", dir=plan.cache))
+        compiler = _Compiler(work_root, stop)
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        stop._attach(events)
+        pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="flint-aot-compile")
+        finished = False
+        try:
+            for s, key in plan.pending:
+                fut = pool.submit(compiler.compile, s)
+                fut.add_done_callback(lambda f, s=s, key=key: events.put((s, key, f)))
+            left = len(plan.pending)
+            while left and not stop.requested:
+                try:
+                    item = events.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+                if item is None or stop.requested:
+                    continue
+                left -= 1
+                s, key, fut = item
+                err = _finish(plan, s, key, fut, rows)
+                if err:
+                    errors.append(err)
+                if progress and (err or s.label in rows):
+                    progress(s.label, "FAILED" if err else "compiled", 0.0 if err else rows[s.label].seconds)
+            finished = not stop.requested
+        finally:
+            if not finished:  # stopped, or an exception on the way out: drop the queue, kill what runs
+                pool.shutdown(wait=False, cancel_futures=True)
+                compiler.kill_all()
+            pool.shutdown(wait=True)
+            shutil.rmtree(work_root, ignore_errors=True)
+        if stop.requested:
+            raise _interrupted(plan, stop, rows)
+    if errors:
         raise BuildError(
-            f"{out} exists and is not a flint-aot bundle; refusing to replace it (choose another -o)"
+            f"{len(errors)} of {len(plan.todo)} specializations failed; the previous bundle "
+            "(if any) is untouched:\n" + "\n".join(errors)
         )
 
+    result = BuildResult(out=plan.out, skipped=plan.skipped, rows=[rows[s.label] for s in plan.todo])
+    manifest = Manifest(
+        generator=f"flint-aot {__version__}",
+        dsl_version=plan.dsl,
+        config=plan.config,
+        kernels=[r.entry for r in result.rows],
+    )
+    if not _write_bundle(plan.out, manifest, {r.entry.file: r.cubin for r in result.rows}, stop):
+        raise _interrupted(plan, stop, rows)
+    return result
 
-def _clean_stale_staging(out: Path) -> None:
-    """Staging folders left by killed builds: .NAME.tmp-PID-* whose PID is gone."""
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
-        try:
-            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except (ValueError, PermissionError, IndexError):
-            pass
+
+def _finish(plan: Plan, s: Specialization, key: str, fut: Future, rows: dict[str, Row]) -> str | None:
+    """Check and cache one finished compile; returns an error message, or None."""
+    try:
+        r = fut.result()
+        if r is None:
+            return None  # stopped
+        cubin, meta, secs = r
+        e = _entry(s, key, cubin, meta)
+        problems = check_cubin(e, cubin)
+        if problems:
+            raise BuildError(f"{s.label}: cubin does not match its metadata: {'; '.join(problems)}")
+        _cache_put(plan.cache, key, cubin, meta)
+        rows[s.label] = Row(s, "compiled", e, secs, cubin)
+        return None
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, with its specialization
+        return str(exc) if isinstance(exc, BuildError) else f"{s.label}: {exc!r}"
 
 
-# ----------------------------------------------------------------------------- build
+def _interrupted(plan: Plan, stop: Stop, rows: dict[str, Row]) -> BuildInterrupted:
+    compiled = sum(r.status == "compiled" for r in rows.values())
+    kept = (
+        f"previous bundle at {plan.out} untouched"
+        if (plan.out / MANIFEST_NAME).exists()
+        else f"nothing written to {plan.out}"
+    )
+    try:
+        name = signal.Signals(stop.signum).name
+    except ValueError:
+        name = f"signal {stop.signum}"
+    return BuildInterrupted(
+        stop.signum,
+        f"interrupted ({name}): {len(rows)} of {len(plan.todo)} specializations compiled and cached "
+        f"({compiled} this run, in {plan.cache}); {kept}",
+    )
+
+
 def build(
     config_path: str | os.PathLike,
     out: str | os.PathLike,
     jobs: int = 1,
     cache_dir: str | os.PathLike | None = None,
     progress=None,
+    stop: Stop | None = None,
 ) -> BuildResult:
-    """progress: optional callable(label, status) called once per specialization as it finishes."""
-    config = load_config(config_path)
-    out = Path(out).absolute()
-    _check_output_dir(out)
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    specs = expand(config)
-    todo = [s for s in specs if kernels.implemented(s.kind, s.spec)]
-    result = BuildResult(out=out, skipped=[s for s in specs if not kernels.implemented(s.kind, s.spec)])
-    if not todo:
-        raise BuildError(f"{config_path}: none of the requested kernels is implemented in this version")
-    src, dsl = kernels.source_hash(), dsl_version()
-
-    rows: dict[str, Row] = {}
-    pending = []
-    for s in todo:
-        key = build_key(s, src, dsl)
-        hit = _cache_get(cache, key)
-        if hit is not None and not check_cubin(_entry(s, key, *hit), hit[0]):
-            rows[s.label] = Row(s, "cached", _entry(s, key, *hit), 0.0, hit[0])
-            if progress:
-                progress(s.label, "cached")
-        else:
-            pending.append((s, key))
-
-    errors = []
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futs = {pool.submit(_timed_compile, s): (s, key) for s, key in pending}
-        for fut in as_completed(futs):
-            s, key = futs[fut]
-            try:
-                (cubin, meta), secs = fut.result()
-                e = _entry(s, key, cubin, meta)
-                problems = check_cubin(e, cubin)
-                if problems:
-                    raise BuildError(f"{s.label}: cubin does not match its metadata: {'; '.join(problems)}")
-                _cache_put(cache, key, cubin, meta)
-                rows[s.label] = Row(s, "compiled", e, secs, cubin)
-                if progress:
-                    progress(s.label, "compiled")
-            except Exception as exc:  # noqa: BLE001 - every failure is reported, with its specialization
-                errors.append(str(exc) if isinstance(exc, BuildError) else f"{s.label}: {exc!r}")
-                if progress:
-                    progress(s.label, "FAILED")
-    if errors:
-        raise BuildError(
-            f"{len(errors)} of {len(todo)} specializations failed; the previous bundle "
-            "(if any) is untouched:\n" + "\n".join(errors)
-        )
-
-    result.rows = [rows[s.label] for s in todo]
-    manifest = Manifest(
-        generator=f"flint-aot {__version__}",
-        dsl_version=dsl,
-        config=config,
-        kernels=[r.entry for r in result.rows],
-    )
-    _write_bundle(out, manifest, {r.entry.file: r.cubin for r in result.rows})
-    return result
+    """prepare + execute (see both)."""
+    return execute(prepare(config_path, out, cache_dir), jobs=jobs, progress=progress, stop=stop)
 
 
-def _timed_compile(s: Specialization):
-    t0 = time.perf_counter()
-    r = _compile(s)
-    return r, time.perf_counter() - t0
-
-
-def _write_bundle(out: Path, manifest: Manifest, files: dict[str, bytes]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_staging(out)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+def _write_bundle(out: Path, manifest: Manifest, files: dict[str, bytes], stop: Stop) -> bool:
+    """Stage the bundle beside out and swap it into place; False (nothing installed) if stopped first."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(out.parent, f".{out.name}.tmp-")
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise BuildError(f"output {out}: cannot write beside it ({e.strerror}); choose another -o") from None
     try:
         for name, data in sorted(files.items()):
             with open(staging / name, "wb") as f:
@@ -291,7 +603,17 @@ def _write_bundle(out: Path, manifest: Manifest, files: dict[str, bytes]) -> Non
             os.fsync(f.fileno())
         os.chmod(staging, 0o755)
         _fsync_dir(staging)
+        if stop.requested:  # the last moment to stop: after this the new bundle is in place
+            return False
         _install(staging, out)
+        return True
+    except OSError as e:
+        hint = (
+            " (a mount point cannot be renamed: use a directory inside it)" if e.errno == errno.EBUSY else ""
+        )
+        raise BuildError(
+            f"output {out}: cannot install the bundle ({e.strerror}){hint}; choose another -o"
+        ) from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 
 import click
 
 from flint_aot import __version__
+
+DEFAULT_BUNDLE = "build/flint"
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -22,35 +26,63 @@ def main():
     """Ahead-of-time builder of Flint's fused decode qkv kernels."""
 
 
+def _progress_reporter(total: int, stack: contextlib.ExitStack):
+    """On a terminal, click's progress bar; otherwise (CI logs, `| tee`) one line per finished compile."""
+    if sys.stderr.isatty():
+        bar = stack.enter_context(
+            click.progressbar(length=total, label="compiling", file=sys.stderr, show_pos=True)
+        )
+        return lambda label, status, seconds: bar.update(1)
+    done = [0]
+
+    def line(label, status, seconds):
+        done[0] += 1
+        click.echo(f"[{done[0]}/{total}] {status} {label} ({seconds:.1f} s)", err=True)
+
+    return line
+
+
 @main.command()
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("-o", "--out", default="build/flint", show_default=True, help="Bundle directory to (re)place.")
+@click.option("-o", "--out", default=DEFAULT_BUNDLE, show_default=True, help="Bundle directory to (re)place.")
 @click.option(
-    "-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Parallel compiles."
-)
+    "-j", "--jobs", default=None, type=click.IntRange(1, 256),
+    help="Parallel compiles  [default: the number of usable CPU cores]",
+)  # fmt: skip
 @click.option(
     "--cache-dir", default=None, help="Compile cache [default: $FLINT_AOT_CACHE or ~/.cache/flint-aot]."
 )
 def build(config, out, jobs, cache_dir):
-    """Compile every specialization of CONFIG into a bundle (cubins + manifest.json)."""
-    from flint_aot.builder import BuildError
-    from flint_aot.builder import build as do_build
-    from flint_aot.config import ConfigError, expand, load_config
+    """Compile every specialization of CONFIG into a bundle (cubins + manifest.json).
 
-    try:
-        total = len(expand(load_config(config)))
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
-    with click.progressbar(length=total, label="compiling", file=sys.stderr, show_pos=True) as bar:
+    SIGINT (Ctrl-C) or SIGTERM stops the build within a second or two: queued compiles are dropped, running
+    ones killed, what finished stays in the cache, the bundle in place is untouched; exit status 130 / 143.
+    """
+    from flint_aot.builder import BuildError, BuildInterrupted, Stop, execute, prepare, usable_cores
+    from flint_aot.config import ConfigError
 
-        def progress(label, status):
-            bar.update(1)
-
+    stop = Stop()
+    with stop.on_signals(signal.SIGINT, signal.SIGTERM), contextlib.ExitStack() as stack:
         try:
-            res = do_build(config, out, jobs=jobs, cache_dir=cache_dir, progress=progress)
+            plan = prepare(config, out, cache_dir)
+            jobs = jobs or usable_cores()
+            progress = None
+            if plan.pending:
+                if not sys.stderr.isatty():
+                    click.echo(
+                        f"compiling {len(plan.pending)} of {len(plan.todo)} specializations "
+                        f"({len(plan.cached)} cached), {jobs} at a time",
+                        err=True,
+                    )
+                progress = _progress_reporter(len(plan.pending), stack)
+            res = execute(plan, jobs=jobs, progress=progress, stop=stop)
+        except BuildInterrupted as e:
+            stack.close()  # end the progress bar's line first
+            click.echo(str(e), err=True)
+            sys.exit(128 + e.signum)
         except (BuildError, ConfigError) as e:
+            stack.close()
             raise click.ClickException(str(e)) from None
-        bar.update(total - bar.pos)
     rows = [
         [r.spec.name, r.spec.arch, r.status, r.entry.registers, r.entry.size, f"{r.seconds:.1f}"]
         for r in res.rows

@@ -2,20 +2,39 @@
 
     python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR
 
-Writes OUT_DIR/kernel.cubin, OUT_DIR/kernel.ptx and OUT_DIR/meta.json.
+Writes OUT_DIR/kernel.cubin, OUT_DIR/kernel.ptx and OUT_DIR/meta.json. Started by the builder in its own
+session; dies with the builder (PR_SET_PDEATHSIG), so a killed build leaves no compile running.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
+import signal
 import sys
 import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_builder() -> None:
+    """SIGKILL this process when the builder thread that started it ends (also by SIGKILL)."""
+    parent = os.environ.get("FLINT_AOT_BUILDER_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the builder was already gone before prctl
+        os._exit(1)
 
 
 def main(argv: list[str]) -> int:
     kind, spec_json, arch, prefix, out = argv
+    _die_with_builder()
     # Never let the DSL guess the target from a (missing) GPU: the arch is always explicit.
     os.environ["CUTE_DSL_ARCH"] = arch
     from flint_aot.kernels import MODULES

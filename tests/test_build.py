@@ -109,14 +109,14 @@ def test_failed_build_keeps_previous_bundle(built, tmp_path, monkeypatch):
     out = tmp_path / "keep"
     shutil.copytree(d / "bundle", out)
     before = _files(out)
-    real_run = subprocess.run
+    real_command = builder._compile_command
 
-    def crashing_run(cmd, **kw):
-        if "norm" in cmd and "sm_100a" in cmd and '{"residual": false}' in cmd:
-            cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
-        return real_run(cmd, **kw)
+    def crashing(s, work):
+        if s.label == "norm_res0@sm_100a":
+            return [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"]
+        return real_command(s, work)
 
-    monkeypatch.setattr(builder.subprocess, "run", crashing_run)
+    monkeypatch.setattr(builder, "_compile_command", crashing)
     with pytest.raises(builder.BuildError) as e:
         builder.build(d / "small.yaml", out, jobs=2, cache_dir=tmp_path / "emptycache")
     assert "norm_res0@sm_100a" in str(e.value) and "signal 11" in str(e.value)

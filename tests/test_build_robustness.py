@@ -96,14 +96,14 @@ def test_cli_compile_failure_names_the_specialization(tmp_path, monkeypatch):
     from flint_aot.cli import main
 
     (tmp_path / "c.yaml").write_text(SMALL)
-    real_run = subprocess.run
+    real_command = builder._compile_command
 
-    def failing_run(cmd, **kw):
-        if '{"residual": true}' in cmd:  # this specialization's compile exits with an error
-            cmd = [sys.executable, "-c", "import sys; sys.exit('boom: unsupported')"]
-        return real_run(cmd, **kw)
+    def failing(s, work):
+        if s.spec == {"residual": True}:  # this specialization's compile exits with an error
+            return [sys.executable, "-c", "import sys; sys.exit('boom: unsupported')"]
+        return real_command(s, work)
 
-    monkeypatch.setattr(builder.subprocess, "run", failing_run)
+    monkeypatch.setattr(builder, "_compile_command", failing)
     r = CliRunner().invoke(main, ["build", str(tmp_path / "c.yaml"), "-o", str(tmp_path / "o"),
                                   "--cache-dir", str(tmp_path / "cache")])  # fmt: skip
     assert r.exit_code == 1
