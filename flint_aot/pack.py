@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from flint_aot import __version__
+from flint_aot.builder import BuildError, check_writable_dir
 from loader.bundle import Bundle
 from loader.manifest import MANIFEST_NAME, sha256_bytes
 
@@ -25,6 +26,11 @@ class PackError(RuntimeError):
 def pack(bundle_dir, out_dir, name: str = "flint-aot-loader") -> Path:
     """Write NAME-VERSION-py3-none-any.whl into out_dir and return its path. VERSION is flint-aot's version
     plus a local label from the manifest's sha256, so two different bundles never share a version."""
+    out_dir = Path(out_dir).absolute()
+    try:
+        check_writable_dir(out_dir, "wheel folder (-o)", "choose another -o")
+    except BuildError as e:
+        raise PackError(str(e)) from None
     b = Bundle.open(bundle_dir)
     bad = {label: p for label, p in b.verify().items() if p}
     if bad:
@@ -33,7 +39,6 @@ def pack(bundle_dir, out_dir, name: str = "flint-aot-loader") -> Path:
                         "flint-aot build CONFIG -o BUNDLE")  # fmt: skip
     tag = sha256_bytes((b.path / MANIFEST_NAME).read_bytes())[:12]
     version = f"{__version__}+b{tag}"
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flint-aot-pack-") as d:
         proj = Path(d) / "proj"
