@@ -98,17 +98,26 @@ def build(config, out, jobs, cache_dir):
     )
 
 
-@main.command("list")
-@click.argument("bundle", type=click.Path(file_okay=False))
-def list_(bundle):
-    """Show what BUNDLE holds."""
+BUNDLE_ARG = click.argument(
+    "bundle", default=DEFAULT_BUNDLE, required=False, type=click.Path(file_okay=False)
+)
+
+
+def _open(bundle):
     from loader.bundle import Bundle, BundleError
     from loader.manifest import ManifestError
 
     try:
-        b = Bundle.open(bundle)
+        return Bundle.open(bundle)
     except (BundleError, ManifestError) as e:
         raise click.ClickException(str(e)) from None
+
+
+@main.command("list")
+@BUNDLE_ARG
+def list_(bundle):
+    """Show what BUNDLE (default build/flint) holds."""
+    b = _open(bundle)
     m = b.manifest
     click.echo(
         f"{b.path}: {m.generator}, nvidia-cutlass-dsl {m.dsl_version}, schema {m.schema_version}, "
@@ -122,37 +131,60 @@ def list_(bundle):
     click.echo(_table(["kernel", "arch", "entry", "block", "cluster", "regs", "bytes", "sha256"], rows))
 
 
-@main.command()
-@click.argument("bundle", type=click.Path(file_okay=False))
-def verify(bundle):
-    """Check every cubin of BUNDLE against its manifest (sha256, entry, parameters, block size)."""
-    from loader.bundle import Bundle, BundleError
-    from loader.manifest import ManifestError
+def _against_config(b) -> dict[str, list[str]]:
+    """The manifest's entries against the variant list its own recorded config expands to."""
+    from flint_aot import kernels
+    from flint_aot.config import ConfigError, expand, validate
+    from loader.manifest import MANIFEST_NAME
 
     try:
-        b = Bundle.open(bundle)
-    except (BundleError, ManifestError) as e:
-        raise click.ClickException(str(e)) from None
+        expected = {
+            s.label: s for s in expand(validate(b.manifest.config, f"{b.path / MANIFEST_NAME}: config"))
+            if kernels.implemented(s.kind, s.spec)
+        }  # fmt: skip
+    except ConfigError as e:
+        return {"config": [f"the manifest's recorded config is not valid for flint-aot {__version__}: {e}"]}
+    have = {f"{e.name}@{e.arch}": e for e in b.manifest.kernels}
+    out: dict[str, list[str]] = {}
+    for label in expected.keys() - have.keys():
+        out[label] = ["the manifest's config lists this variant but the manifest has no entry for it"]
+    for label in have.keys() - expected.keys():
+        out[label] = ["not a variant of the manifest's config"]
+    for label in have.keys() & expected.keys():
+        e, s = have[label], expected[label]
+        if (e.kind, e.spec) != (s.kind, s.spec):
+            out[label] = [f"kind/spec {e.kind} {e.spec} != the config's {s.kind} {s.spec}"]
+    return out
+
+
+@main.command()
+@BUNDLE_ARG
+def verify(bundle):
+    """Check BUNDLE (default build/flint) both ways: every manifest entry against its cubin (sha256, ELF
+    entry, parameters, block size), every file against the manifest, and the manifest against the variants
+    its recorded config expands to. Exit status 1 on any problem."""
+    b = _open(bundle)
+    results = b.verify()
+    for label, problems in sorted(_against_config(b).items()):
+        results.setdefault(label, []).extend(problems)
     bad = 0
-    for label, problems in b.verify().items():
+    for label, problems in results.items():
         click.echo(
-            f"{'ok  ' if not problems else 'FAIL'} {label}"
-            + ("" if not problems else ": " + "; ".join(problems))
+            f"{'ok  ' if not problems else 'FAIL'} {label}" + (": " + "; ".join(problems) if problems else "")
         )
         bad += bool(problems)
     if bad:
-        raise click.ClickException(
-            f"{bad} of {len(b.manifest.kernels)} cubins do not match the manifest; rebuild the bundle"
-        )
+        raise click.ClickException(f"{bad} of {len(results)} entries of {b.path} failed; rebuild the bundle")
     click.echo(f"{len(b.manifest.kernels)} cubins verified")
 
 
 @main.command()
-@click.argument("bundle", type=click.Path(file_okay=False))
+@BUNDLE_ARG
 @click.option("-o", "--out", default="dist", show_default=True, help="Folder for the wheel.")
 @click.option("--name", default="flint-aot-loader", show_default=True, help="Distribution name.")
 def pack(bundle, out, name):
-    """Turn BUNDLE plus the loader into one wheel (needs only torch and cuda-bindings to install)."""
+    """Turn BUNDLE (default build/flint) plus the loader into one wheel (needs only torch and cuda-bindings
+    to install)."""
     from flint_aot.pack import PackError
     from flint_aot.pack import pack as do_pack
     from loader.bundle import BundleError
@@ -166,11 +198,11 @@ def pack(bundle, out, name):
 
 
 @main.command()
-@click.argument("bundle", required=False, type=click.Path(file_okay=False))
+@BUNDLE_ARG
 @click.option("-m", "tokens", default=3, show_default=True, type=click.IntRange(1, 8), help="Tokens (M).")
 def doctor(bundle, tokens):
-    """Run every variant of BUNDLE (default: as the loader finds it) once on this GPU against the torch
-    reference; exit 1 if any fails."""
+    """Run every variant of BUNDLE (default build/flint) once on this GPU against the torch reference; exit 1
+    if any fails."""
     from loader.doctor import TOL, run
 
     try:

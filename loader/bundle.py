@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loader.elf import CubinError, read_cubin
-from loader.manifest import ARCH_CC, KernelEntry, Manifest, ManifestError, sha256_bytes
+from loader.manifest import ARCH_CC, MANIFEST_NAME, KernelEntry, Manifest, ManifestError, sha256_bytes
 
 
 class BundleError(ValueError):
@@ -80,12 +80,29 @@ class Bundle:
         return data
 
     def verify(self) -> dict[str, list[str]]:
-        """Check every cubin; returns {label: problems} (all lists empty when the bundle is sound)."""
-        out = {}
+        """Check the bundle both ways: every manifest entry against its file (size, sha256, ELF entry,
+        parameters, block; never raises on a malformed cubin), and every file in the bundle directory
+        against the manifest (a file no entry names is reported under its own name).
+        Returns {label: problems}, all lists empty when the bundle is sound."""
+        out: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
         for e in self.manifest.kernels:
             label = f"{e.name}@{e.arch}"
+            problems = out.setdefault(label, [])
+            if e.file in owner:
+                problems.append(f"file {e.file} is also {owner[e.file]}'s")
+            owner.setdefault(e.file, label)
             try:
-                out[label] = check_cubin(e, self.file_path(e).read_bytes())
-            except (OSError, ManifestError) as err:
-                out[label] = [str(err)]
+                problems += check_cubin(e, self.file_path(e).read_bytes())
+            except ManifestError as err:
+                problems.append(str(err))
+            except OSError as err:
+                problems.append(f"{e.file}: cannot read ({err.strerror or err})")
+        try:
+            present = sorted(p.name for p in self.path.iterdir())
+        except OSError as err:
+            return dict(out, **{str(self.path): [f"cannot list the bundle directory ({err.strerror})"]})
+        for name in present:
+            if name != MANIFEST_NAME and name not in owner:
+                out[name] = ["not in the manifest (a stray or orphaned file: rebuild or remove it)"]
         return out

@@ -91,6 +91,14 @@ class Manifest:
                 "rebuild the bundle with the matching flint-aot (`flint-aot build CONFIG -o BUNDLE`)"
             )
         try:
+            if not isinstance(d["kernels"], (list, tuple)):
+                raise ManifestError(
+                    f"{where}: kernels: expected a list, got {_short(d['kernels'])}; rebuild the bundle"
+                )
+            if not isinstance(d["config"], dict):
+                raise ManifestError(
+                    f"{where}: config: expected an object, got {_short(d['config'])}; rebuild the bundle"
+                )
             kernels = [_entry_from_dict(k, f"{where}: kernels[{i}]") for i, k in enumerate(d["kernels"])]
             m = cls(
                 generator=str(d["generator"]),
@@ -98,7 +106,11 @@ class Manifest:
                 config=dict(d["config"]),
                 kernels=kernels,
             )
-        except (KeyError, TypeError) as e:
+        except KeyError as e:
+            raise ManifestError(f"{where}: malformed (missing field {e}); rebuild the bundle") from None
+        except (TypeError, ValueError, OverflowError) as e:
+            if isinstance(e, ManifestError):
+                raise
             raise ManifestError(f"{where}: malformed ({type(e).__name__}: {e}); rebuild the bundle") from None
         seen = set()
         for k in m.kernels:
@@ -119,17 +131,64 @@ class Manifest:
                 f"{path} does not exist: not a flint-aot bundle; build one with "
                 "`flint-aot build configs/flint.yaml -o DIR`"
             ) from None
+        except OSError as e:
+            raise ManifestError(
+                f"{path}: cannot read ({e.strerror}); rebuild or redeploy the bundle"
+            ) from None
+        except UnicodeDecodeError as e:
+            raise ManifestError(f"{path}: not UTF-8 (byte {e.start}); rebuild the bundle") from None
         try:
             d = json.loads(raw)
         except json.JSONDecodeError as e:
             raise ManifestError(f"{path}: not valid JSON ({e}); rebuild the bundle") from None
+        except RecursionError:
+            raise ManifestError(f"{path}: not valid JSON (nested too deeply); rebuild the bundle") from None
         return cls.from_dict(d, where=path)
 
     def archs(self) -> list[str]:
         return sorted({k.arch for k in self.kernels})
 
 
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _int(d: dict, key: str, where: str, default=None) -> int:
+    """A non-negative JSON integer field (not a bool, float or string)."""
+    v = d.get(key, default) if default is not None else d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ManifestError(
+            f"{where}: {key}: expected a non-negative integer, got {_short(v)}; rebuild the bundle"
+        )
+    return v
+
+
+def _str(d: dict, key: str, where: str) -> str:
+    v = d[key]
+    if not isinstance(v, str):
+        raise ManifestError(f"{where}: {key}: expected a string, got {_short(v)}; rebuild the bundle")
+    return v
+
+
 def _entry_from_dict(d: dict, where: str) -> KernelEntry:
+    try:
+        return _entry_fields(d, where)
+    except KeyError as e:
+        raise ManifestError(f"{where}: missing field {e}; rebuild the bundle") from None
+
+
+def _entry_fields(d: dict, where: str) -> KernelEntry:
+    if not isinstance(d, dict):
+        raise ManifestError(f"{where}: expected an object, got {_short(d)}; rebuild the bundle")
+    if not isinstance(d["params"], (list, tuple)) or not all(isinstance(p, dict) for p in d["params"]):
+        raise ManifestError(
+            f"{where}: params: expected a list of objects, got {_short(d['params'])}; rebuild the bundle"
+        )
+    if not isinstance(d["spec"], dict):
+        raise ManifestError(f"{where}: spec: expected an object, got {_short(d['spec'])}; rebuild the bundle")
+    if not isinstance(d["grid"], (list, tuple)):
+        raise ManifestError(f"{where}: grid: expected a list, got {_short(d['grid'])}; rebuild the bundle")
     params = tuple(Param(str(p["name"]), str(p["type"])) for p in d["params"])
     for p in params:
         if p.type not in PARAM_TYPES:
@@ -137,34 +196,41 @@ def _entry_from_dict(d: dict, where: str) -> KernelEntry:
                 f"{where}: parameter {p.name} has unknown type {p.type!r}; rebuild the bundle"
             )
     grid = tuple(d["grid"])
-    if len(grid) != 3 or any(not (isinstance(g, int) and g > 0) and g not in GRID_SYMBOLS for g in grid):
+    ok = lambda g: (isinstance(g, int) and not isinstance(g, bool) and g > 0) or g in GRID_SYMBOLS  # noqa: E731
+    if len(grid) != 3 or not all(ok(g) for g in grid):
         raise ManifestError(f"{where}: bad grid rule {grid!r}; rebuild the bundle")
     e = KernelEntry(
-        kind=str(d["kind"]),
-        name=str(d["name"]),
+        kind=_str(d, "kind", where),
+        name=_str(d, "name", where),
         spec=dict(d["spec"]),
-        arch=str(d["arch"]),
-        file=str(d["file"]),
-        size=int(d["size"]),
-        sha256=str(d["sha256"]),
-        entry=str(d["entry"]),
+        arch=_str(d, "arch", where),
+        file=_str(d, "file", where),
+        size=_int(d, "size", where),
+        sha256=_str(d, "sha256", where),
+        entry=_str(d, "entry", where),
         block=_dim3(d["block"], where, "block"),
         cluster=_dim3(d["cluster"], where, "cluster"),
-        dyn_smem=int(d["dyn_smem"]),
+        dyn_smem=_int(d, "dyn_smem", where),
         grid=grid,
         params=params,
-        build_key=str(d["build_key"]),
-        registers=int(d.get("registers", 0)),
+        build_key=_str(d, "build_key", where),
+        registers=_int(d, "registers", where, default=0),
     )
     check_relative_path(e.file, where)
     return e
 
 
 def _dim3(v, where: str, what: str) -> tuple[int, int, int]:
-    t = tuple(int(x) for x in v)
-    if len(t) != 3 or min(t) < 1:
-        raise ManifestError(f"{where}: bad {what} dims {v!r}; rebuild the bundle")
-    return t
+    """Three positive JSON integers (not strings, floats or bools)."""
+    if not (
+        isinstance(v, (list, tuple))
+        and len(v) == 3
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v)
+    ):
+        raise ManifestError(
+            f"{where}: bad {what} dims {_short(v)} (three positive integers); rebuild the bundle"
+        )
+    return tuple(v)
 
 
 def check_relative_path(name: str, where: str = "manifest") -> None:
