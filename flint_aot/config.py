@@ -160,16 +160,66 @@ def validate(raw, source: str = "<config>") -> dict:
     return out
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark, first):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.mark, self.first = key, mark, first
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last).
+    Keys brought in by a merge (`<<: *anchor`) may still be overridden, as YAML intends."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.get(key)
+                except TypeError:
+                    continue  # an unhashable key: the base constructor reports it
+                if seen is not None:
+                    raise _DuplicateKey(key, key_node.start_mark, seen)
+                first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path) -> dict:
+    """Read, parse and validate a config file. Every error is one line: FILE[:LINE:COLUMN]: what."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        raw = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(
+            f"{path}:{line}:{col}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8"
+        ) from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"{path}:{e.mark.line + 1}:{e.mark.column + 1}: duplicate key {e.key!r} (first given at line "
+            f"{e.first.line + 1}); give each key once"
+        ) from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = e.problem or e.context or "syntax error"
+        if e.problem and e.context:
+            start = f" started at line {e.context_mark.line + 1}" if e.context_mark else ""
+            what += f" ({e.context}{start})"
+        raise ConfigError(f"{where}: not valid YAML: {' '.join(what.split())}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        what = " ".join(str(e).replace("<unicode string>", str(path)).split())
+        raise ConfigError(f"{path}: not valid YAML: {what}") from None
     return validate(raw, str(path))
 
 

@@ -6,8 +6,9 @@ from flint_aot.config import ConfigError, expand, load_config, validate
 GOOD = {
     "archs": ["sm_90a", "sm_100a"],
     "norm": {"residual": [True, False]},
-    "qkv": {"weight_format": ["bf16", "nvfp4"], "rope": [True, False], "heads": [[32, 4], [16, 8]]},
-}
+    "qkv": {"weight_format": ["bf16", "nvfp4"], "rope": [True, False], "heads": [[32, 4], [16, 8]],
+            "kv_cache_dtype": ["bf16"], "norm": ["separate"]},
+}  # fmt: skip
 
 
 def _err(raw, *needles):
@@ -23,7 +24,8 @@ def _err(raw, *needles):
 def test_default_config_loads_and_expands():
     cfg = load_config("configs/flint.yaml")
     specs = expand(cfg)
-    assert len(specs) == 2 * 2 + 2 * 2 * 4 * 2 + 2 * 2 + 2 * 2
+    # per arch: norm 2 + qkv (formats 2 x rope 2 x heads 4 x kv dtypes 2 x norm modes 2) + gemv 2 + unfused 4
+    assert len(specs) == 2 * (2 + 2 * 2 * 4 * 2 * 2 + 2 + 2 * 2)
     names = {s.label for s in specs}
     assert len(names) == len(specs)
     assert "norm_res1@sm_90a" in names and "qkv_nvfp4_rope0_h8x1@sm_100a" in names
@@ -31,10 +33,18 @@ def test_default_config_loads_and_expands():
 
 
 def test_expansion_of_small_matrix():
-    specs = expand(validate({"archs": ["sm_90a"], "qkv": {"weight_format": ["bf16"], "rope": [True, False],
-                                                          "heads": [[16, 2]]}}))
+    specs = expand(
+        validate(
+            {
+                "archs": ["sm_90a"],
+                "qkv": {"weight_format": ["bf16"], "rope": [True, False], "heads": [[16, 2]]},
+            }
+        )
+    )
     assert [s.name for s in specs] == ["qkv_bf16_rope1_h16x2", "qkv_bf16_rope0_h16x2"]
-    assert specs[0].spec == {"weight_format": "bf16", "rope": True, "heads": [16, 2]}
+    assert specs[0].spec == {
+        "weight_format": "bf16", "rope": True, "heads": [16, 2], "kv_cache_dtype": "bf16", "norm": "separate"
+    }  # fmt: skip
     assert all(s.arch == "sm_90a" and s.kind == "qkv" for s in specs)
 
 
@@ -46,8 +56,11 @@ def test_debug_spin_norm():
     off = validate({"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": 0}})
     assert expand(off)[0].spec == {"residual": True} and expand(off)[0].name == "norm_res1"
     for bad in (-1, True, 1.5, "10", 1 << 40):
-        _err({"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": bad}},
-             "norm.debug_spin_cycles", "0..")
+        _err(
+            {"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": bad}},
+            "norm.debug_spin_cycles",
+            "0..",
+        )
 
 
 def test_valid_config_roundtrip():
@@ -98,3 +111,65 @@ def test_file_errors(tmp_path):
     p.write_text(yaml.safe_dump({"archs": ["sm_90a"], "norm": {"residual": [1]}}))
     with pytest.raises(ConfigError, match=r"bad.yaml: norm.residual\[0\]: got 1"):
         load_config(p)
+
+
+def _load_error(tmp_path, data: bytes) -> str:
+    p = tmp_path / "c.yaml"
+    p.write_bytes(data)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "\n" not in msg and "<unicode string>" not in msg, msg
+    assert msg.startswith(f"{p}:"), msg
+    return msg.removeprefix(f"{p}:")
+
+
+def test_not_utf8(tmp_path):
+    msg = _load_error(tmp_path, b"archs: [sm_90a]\nnorm:\n  residual: [tr\xffue]\n")
+    assert msg == "3:16: not UTF-8 text (byte 0xff); save the file as UTF-8"
+
+
+DUPLICATES = [
+    ("archs: [sm_90a]\nnorm: {residual: [true]}\narchs: [sm_100a]\n", "3:1", "'archs'", 1),
+    ("archs: [sm_90a]\nnorm:\n  residual: [true]\n  residual: [false]\n", "4:3", "'residual'", 3),
+    ("archs: [sm_90a]\nnorm: {residual: [true], residual: [false]}\n", "2:26", "'residual'", 2),
+]
+
+
+@pytest.mark.parametrize("text, where, key, first", DUPLICATES)
+def test_duplicate_keys_rejected(tmp_path, text, where, key, first):
+    msg = _load_error(tmp_path, text.encode())
+    assert msg == f"{where}: duplicate key {key} (first given at line {first}); give each key once"
+
+
+def test_merge_keys_may_override(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("archs: [sm_90a]\nnorm: {<<: {residual: [true]}, residual: [false]}\n")
+    assert load_config(p)["norm"] == {"residual": [False]}
+
+
+SYNTAX = [
+    ("archs: [sm_90a\n", "2:1", "expected ',' or ']', but got '<stream end>' (while parsing a flow sequence "
+     "started at line 1)"),
+    ("archs: [sm_90a]\nnorm: a: b\n", "2:8", "mapping values are not allowed here"),
+    ("archs: [sm_90a]\n\tnorm: {}\n", "2:1", "found character '\\t' that cannot start any token (while "
+     "scanning for the next token)"),
+    ("archs: *x\n", "1:8", "found undefined alias 'x'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, where, what", SYNTAX)
+def test_syntax_errors_are_one_line_with_file_line_column(tmp_path, text, where, what):
+    assert _load_error(tmp_path, text.encode()) == f"{where}: not valid YAML: {what}"
+
+
+def test_cli_prints_one_line_before_anything_else(tmp_path):
+    from click.testing import CliRunner
+
+    from flint_aot.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text("archs: [sm_90a]\narchs: [sm_100a]\n")
+    r = CliRunner().invoke(main, ["build", str(p), "-o", str(tmp_path / "o")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
+    assert r.output == f"Error: {p}:2:1: duplicate key 'archs' (first given at line 1); give each key once\n"
