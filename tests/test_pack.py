@@ -1,11 +1,16 @@
 """`flint-aot pack` (issue 6): the wheel installs into a fresh venv that has only torch and cuda-bindings;
 there `import loader` finds the packed bundle by itself, and neither the DSL nor flint_aot is installed."""
 
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import zipfile
 
+import pytest
 from click.testing import CliRunner
 
 from flint_aot.cli import main
@@ -27,13 +32,20 @@ print(json.dumps({
 """
 
 
-def test_pack_installs_into_a_fresh_venv(tmp_path):
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
     from flint_aot.builder import build
+
+    d = tmp_path_factory.mktemp("pack")
+    (d / "c.yaml").write_text("archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n")
+    build(d / "c.yaml", d / "bundle", cache_dir=d / "cache", jobs=2)
+    return d / "bundle"
+
+
+def test_pack_installs_into_a_fresh_venv(bundle, tmp_path):
     from loader.bundle import Bundle
 
-    (tmp_path / "c.yaml").write_text("archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n")
-    build(tmp_path / "c.yaml", tmp_path / "bundle", cache_dir=tmp_path / "cache", jobs=2)
-    r = CliRunner().invoke(main, ["pack", str(tmp_path / "bundle"), "-o", str(tmp_path / "dist")])
+    r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tmp_path / "dist")])
     assert r.exit_code == 0, r.output
     (whl,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(whl).namelist()
@@ -52,20 +64,38 @@ def test_pack_installs_into_a_fresh_venv(tmp_path):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["loader"].startswith(str(venv)) and got["bundle"].startswith(str(venv))
-    expect = sorted(f"{e.name}@{e.arch}" for e in Bundle.open(tmp_path / "bundle").manifest.kernels)
+    expect = sorted(f"{e.name}@{e.arch}" for e in Bundle.open(bundle).manifest.kernels)
     assert got["variants"] == expect and got["verify"]
     assert not got["cutlass"] and not got["flint_aot"]
 
 
-def test_pack_refuses_a_corrupt_bundle(tmp_path):
-    from flint_aot.builder import build
+def test_pack_is_reproducible_and_leaves_nothing_behind(bundle, tmp_path, monkeypatch):
+    """Two packs of the same bundle (other folders, other times) are the same bytes; scratch files go
+    neither to the system temp dir nor stay beside the wheel."""
+    systmp = tmp_path / "systmp"
+    systmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(systmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(systmp))
+    digests = []
+    for i in range(2):
+        r = CliRunner().invoke(main, ["pack", str(bundle), "-o", str(tmp_path / f"dist{i}")])
+        assert r.exit_code == 0, r.output
+        (whl,) = (tmp_path / f"dist{i}").iterdir()  # the wheel only
+        digests.append(hashlib.sha256(whl.read_bytes()).hexdigest())
+        time.sleep(1.1)  # zip timestamps have 2 s resolution: make sure a clock-based one would differ
+    assert digests[0] == digests[1]
+    assert not list(systmp.iterdir()), list(systmp.iterdir())
+    with zipfile.ZipFile(whl) as z:
+        assert {i.date_time for i in z.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+        assert {i.external_attr >> 16 for i in z.infolist()} == {0o100644}
 
-    (tmp_path / "c.yaml").write_text("archs: [sm_90a]\nnorm:\n  residual: [true]\n")
-    build(tmp_path / "c.yaml", tmp_path / "bundle", cache_dir=tmp_path / "cache")
-    (cubin,) = (tmp_path / "bundle").glob("*.cubin")
+
+def test_pack_refuses_a_corrupt_bundle(bundle, tmp_path):
+    bad = shutil.copytree(bundle, tmp_path / "bundle")
+    cubin = next(bad.glob("*.cubin"))
     data = bytearray(cubin.read_bytes())
     data[-1] ^= 1
     cubin.write_bytes(bytes(data))
-    r = CliRunner().invoke(main, ["pack", str(tmp_path / "bundle"), "-o", str(tmp_path / "dist")])
+    r = CliRunner().invoke(main, ["pack", str(bad), "-o", str(tmp_path / "dist")])
     assert r.exit_code != 0 and "does not verify" in r.output and "flint-aot build" in r.output
     assert not (tmp_path / "dist").exists() or not list((tmp_path / "dist").glob("*.whl"))
