@@ -145,12 +145,27 @@ def test_cli_config_error_exit_code(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_default_config_builds_norm(tmp_path):
-    """The shipped config is accepted by the builder (the README's first command)."""
-    from flint_aot.builder import build
+def test_default_config_is_accepted_and_its_kinds_compile(tmp_path):
+    """The shipped config (the README's first command) is accepted by the builder: every specialization it
+    expands to has a kernel, one bundle file each. Compiling all of it takes minutes, so one specialization
+    of every kind, with the non-default axes the other tests do not compile, is built here."""
+    from flint_aot.builder import build, prepare
 
-    res = build(ROOT / "configs" / "flint.yaml", tmp_path / "b", cache_dir=tmp_path / "c", jobs=2)
-    assert {r.spec.name for r in res.rows} >= {"norm_res0", "norm_res1"}
+    plan = prepare(ROOT / "configs" / "flint.yaml", tmp_path / "b", cache_dir=tmp_path / "c")
+    assert not plan.skipped and len(plan.pending) == len(plan.todo) > 100
+    assert len({f"{s.name}.{s.arch}" for s in plan.todo}) == len(plan.todo)
+    assert {s.kind for s in plan.todo} == {"norm", "qkv", "gemv", "qk_norm_rope_cache"}
+    assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()  # prepare writes nothing
+
+    (tmp_path / "kinds.yaml").write_text(
+        "archs: [sm_90a]\nnorm: {residual: [true]}\n"
+        "qkv: {weight_format: [nvfp4], rope: [true], heads: [[8, 1]], kv_cache_dtype: [fp8_e4m3], "
+        "norm: [prologue]}\n"
+        "gemv: {weight_format: [nvfp4]}\nqk_norm_rope_cache: {rope: [true], kv_cache_dtype: [fp8_e4m3]}\n"
+    )
+    res = build(tmp_path / "kinds.yaml", tmp_path / "b", cache_dir=tmp_path / "c", jobs=2)
+    assert sorted(r.spec.kind for r in res.rows) == sorted(["norm", "qkv", "gemv", "qk_norm_rope_cache"])
+    assert all(not p for p in Bundle.open(tmp_path / "b").verify().values())
 
 
 def test_loader_refuses_tampered_manifests(built, tmp_path):
