@@ -1,4 +1,4 @@
-"""Peer benchmark (issue 5): per-layer time of the fused op against the unfused paths a user could pick,
+"""Peer benchmark (BENCHMARKS.md §2): per-layer time of the fused op against the unfused paths a user could pick,
 all in one run, same harness as bench_qkv.py (CUDA-graph replay of many layers with distinct weights,
 medians, copy bandwidth measured in the same run).
 
@@ -26,7 +26,7 @@ EPS = 1e-6
 
 
 def torch_unfused(x, r, nw, w, qn, kn, cs, pos, kc, vc, slots, nq: int, nkv: int):
-    """The op as a user would write it in torch (SPEC §3 numerics)."""
+    """The op as a user would write it in torch (docs/numerics.md §1-§3)."""
     h = (x.float() + r.float()).bfloat16()
     hf = h.float()
     xn = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).bfloat16() * nw
@@ -115,9 +115,8 @@ def main():
 
                 res = {"heads": [nq, nkv], "fmt": fmt, "M": m, "layers": layers, "weight_bytes": wbytes}
                 res["fused"] = median_graph_us(fused, layers)
-                loader.set_pdl(False)
-                res["fused_no_pdl"] = median_graph_us(fused, layers)
-                loader.set_pdl(True)
+                with loader.launch_options(pdl=False):
+                    res["fused_no_pdl"] = median_graph_us(fused, layers)
                 res["unfused_ours"] = median_graph_us(unfused, layers)
                 if (nq, nkv, m) not in peers_us:
                     p = peers_us[(nq, nkv, m)] = {"torch_eager": median_graph_us(eager, dl)}

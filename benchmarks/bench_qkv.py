@@ -1,21 +1,26 @@
-"""Per-layer time of the fused qkv op (BF16 and NVFP4 weights) under CUDA-graph replay of many layers with
+"""Per-layer time of the fused qkv op (BF16 and NVFP4 weights; both designs: the input norm in the qkv kernel's
+prologue, and the two-kernel design; BF16 and FP8 KV caches) under CUDA-graph replay of many layers with
 distinct weights (L2 defeated), beside cuBLAS's GEMV alone and the device copy bandwidth, all in one run
-(SPEC §7).
+(BENCHMARKS.md §1).
 
     PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--heads 32x4 ...] [--m 1 ...]
-        [--fmt bf16 nvfp4] [--compare BUNDLE ...]
+        [--fmt bf16 nvfp4] [--bundle build/flint] [--compare BUNDLE ...]
 
---compare adds, per row, the fused op and the qkv kernel alone from other bundles (A/B of kernel
-versions in one run; each bundle needs the variants benchmarked).
+The two-kernel rows run a copy of the bundle without its prologue builds (the loader picks the prologue design
+whenever the bundle has it). --compare adds, per row, the fused op from other bundles (A/B of kernel versions
+in one run; each bundle needs the variants benchmarked).
 """
 
 import argparse
+import json
+import shutil
 import statistics
+import tempfile
+from pathlib import Path
 
 import torch
 
 import loader
-from loader import runtime
 from loader.reference import make_cos_sin_cache
 
 K, D = 2048, 128
@@ -78,16 +83,31 @@ def make_weights(fmt, n, layers):
     return out
 
 
+def without_prologue(bundle: Path, out: Path) -> Path:
+    """A copy of the bundle without the prologue qkv builds, in out: the loader then runs the two-kernel design
+    (norm kernel + qkv kernel). Used to measure both designs side by side."""
+    out.mkdir(parents=True, exist_ok=True)
+    man = json.loads((bundle / "manifest.json").read_text())
+    man["kernels"] = [e for e in man["kernels"] if e["spec"].get("norm") != "prologue"]
+    for e in man["kernels"]:
+        shutil.copy2(bundle / e["file"], out / e["file"])
+    (out / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True) + "\n")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--heads", nargs="*", default=None, help="e.g. 32x4 16x2 (default: all)")
     ap.add_argument("--m", nargs="*", type=int, default=MS)
     ap.add_argument("--fmt", nargs="*", default=["bf16", "nvfp4"])
-    ap.add_argument("--compare", nargs="*", default=[], help="other bundle directories")
+    ap.add_argument("--bundle", default="build/flint")
+    ap.add_argument("--compare", nargs="*", default=[], help="other bundle directories (A/B, fused op only)")
     args = ap.parse_args()
     heads = HEADS if not args.heads else [tuple(int(v) for v in h.split("x")) for h in args.heads]
-    main_bundle = runtime.current_bundle().path
+    main_bundle = Path(args.bundle).resolve()
+    tmp = Path(tempfile.mkdtemp(prefix="flint-bench-"))
+    separate = without_prologue(main_bundle, tmp / "separate")
     ab = []
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -102,83 +122,93 @@ def main():
             cs = make_cos_sin_cache(4096, device="cuda")
             nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
             qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
-            kc = torch.zeros(layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
-            vc = torch.zeros_like(kc)
+            caches = {}
+            for kv, dt in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+                kc = torch.zeros(layers, 64, 16, nkv, D, dtype=dt, device="cuda")
+                caches[kv] = (kc, torch.zeros_like(kc))
+            scale = torch.full((1,), 0.05, device="cuda")
             for m in args.m:
                 x = torch.randn(m, K, device="cuda").bfloat16()
                 r = torch.randn(m, K, device="cuda").bfloat16()
                 pos = torch.arange(m, device="cuda") + 100
                 slots = torch.arange(m, device="cuda") + 32
 
-                def fused():
+                def fused(kv="bf16"):
+                    kc, vc = caches[kv]
+                    sc = {"k_scale": scale, "v_scale": scale} if kv == "fp8" else {}
                     for i in range(layers):
-                        w, sc, gs = ws[i]
+                        w, wsc, gs = ws[i]
                         loader.flint_qkv_fused(
-                            x, r, nw, 1e-6, w, sc, gs, qn, qn, 1e-6, cs, pos, kc[i], vc[i], slots, nq, nkv
+                            x,
+                            r,
+                            nw,
+                            1e-6,
+                            w,
+                            wsc,
+                            gs,
+                            qn,
+                            qn,
+                            1e-6,
+                            cs,
+                            pos,
+                            kc[i],
+                            vc[i],
+                            slots,
+                            nq,
+                            nkv,
+                            **sc,
                         )
 
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                q = torch.empty(m, nq * D, dtype=torch.bfloat16, device="cuda")
-
-                def qkv_only():  # diagnostic: the qkv kernel chained with itself, no norm kernel between
-                    st = torch.cuda.current_stream()
-                    qkv_k = runtime.get_kernel(
-                        x.device, "qkv", {"weight_format": fmt, "rope": True, "heads": [nq, nkv]}
-                    )
-                    for i in range(layers):
-                        w, sc, gs = ws[i]
-                        args_ = [x.data_ptr(), w.data_ptr(), (sc if sc is not None else w).data_ptr(),
-                                 (gs if gs is not None else w).data_ptr(), qn.data_ptr(), qn.data_ptr(),
-                                 cs.data_ptr(), pos.data_ptr(), slots.data_ptr(), q.data_ptr(),
-                                 kc[i].data_ptr(), vc[i].data_ptr(), m, m, cs.shape[0], 16, 64 * 16,
-                                 kc[i].stride(0), kc[i].stride(1), kc[i].stride(2), 1e-6]  # fmt: skip
-                        runtime.launch(qkv_k, {"ROW_BLOCKS": n // 16}, args_, st)
 
                 def cublas():
                     for i in range(layers):
                         torch.matmul(x, ws[i][0].t(), out=out)
 
-                t_fused = median_graph_us(fused, layers)
-                loader.set_pdl(False)
-                t_nopdl = median_graph_us(fused, layers)
-                loader.set_pdl(True)
+                loader.load_bundle(main_bundle)
+                t_pro = median_graph_us(fused, layers)
+                t_fp8 = median_graph_us(lambda: fused("fp8"), layers)
+                with loader.launch_options(pdl=False):
+                    t_nopdl = median_graph_us(fused, layers)
+                loader.load_bundle(separate)
+                t_sep = median_graph_us(fused, layers)
+                t_sep_fp8 = median_graph_us(lambda: fused("fp8"), layers)
                 if fmt == "bf16":
                     cublas_us[(nq, nkv, m)] = median_graph_us(cublas, layers)
                 t_cublas = cublas_us.get((nq, nkv, m), float("nan"))
-                t_qkv = median_graph_us(qkv_only, layers)
                 for path in args.compare:
                     loader.load_bundle(path)
                     try:
-                        ab.append((f"({nq},{nkv})", fmt, m, path, median_graph_us(fused, layers),
-                                   median_graph_us(qkv_only, layers)))  # fmt: skip
+                        ab.append((f"({nq},{nkv})", fmt, m, path, median_graph_us(fused, layers)))
                         print(ab[-1], flush=True)
                     except LookupError as e:  # this bundle lacks the variant
                         print(f"skip {path}: {e}", flush=True)
-                    finally:
-                        loader.load_bundle(main_bundle)
+                best = min(t_pro, t_sep)
                 limit = wbytes / bw * 1e6
-                rows.append((f"({nq},{nkv})", fmt, m, layers, wbytes / 1e6, t_fused, t_nopdl, t_cublas, limit,
-                             100 * limit / t_fused, t_qkv))  # fmt: skip
+                rows.append((f"({nq},{nkv})", fmt, m, layers, wbytes / 1e6, t_pro, t_sep, t_fp8, t_sep_fp8, t_nopdl,
+                             t_cublas, limit, 100 * limit / best, t_cublas / best))  # fmt: skip
                 print(rows[-1], flush=True)
-            ws = kc = vc = None  # free before the next shape
+            ws = caches = None  # free before the next shape
             torch.cuda.empty_cache()
+    loader.load_bundle(main_bundle)
+    shutil.rmtree(tmp, ignore_errors=True)
     head = (
         f"copy bandwidth (read+write, 4 GiB device copy, graph, median): {bw / 1e12:.2f} TB/s\n\n"
-        "| heads | weights | M | layers | weight MB | fused µs/layer | fused, no PDL | "
-        "cuBLAS BF16 GEMV alone | limit µs (weights / copy BW) | % of copy BW | cuBLAS / fused | "
-        "qkv kernel alone (no norm) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| heads | weights | M | layers | weight MB | prologue µs/layer | two-kernel µs/layer | prologue, FP8 cache | "
+        "two-kernel, FP8 cache | prologue, no PDL | cuBLAS BF16 GEMV alone | limit µs (weights / copy BW) | "
+        "% of copy BW (best) | cuBLAS / best |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
-        f"| {h} | {fmt} | {m} | {lay} | {mb:.1f} | {tf:.2f} | {tn:.2f} | {tc:.2f} | {lim:.2f} | {pct:.0f}% | "
-        f"{tc / tf:.2f}x | {tq:.2f} |\n"
-        for h, fmt, m, lay, mb, tf, tn, tc, lim, pct, tq in rows
+        f"| {h} | {fmt} | {m} | {lay} | {mb:.1f} | {tp:.2f} | {ts:.2f} | {tf8:.2f} | {tsf8:.2f} | {tn:.2f} | "
+        f"{tc:.2f} | {lim:.2f} | {pct:.0f}% | {ratio:.2f}x |\n"
+        for h, fmt, m, lay, mb, tp, ts, tf8, tsf8, tn, tc, lim, pct, ratio in rows
     )
     text = head + body
     if ab:
         text += f"\nA/B against {main_bundle} (µs per layer):\n\n"
-        text += "| heads | weights | M | bundle | fused | qkv kernel alone |\n|---|---|---|---|---|---|\n"
-        text += "".join(f"| {h} | {f_} | {m} | {p} | {f:.2f} | {q:.2f} |\n" for h, f_, m, p, f, q in ab)
+        text += "| heads | weights | M | bundle | fused |\n|---|---|---|---|---|\n"
+        text += "".join(f"| {h} | {f_} | {m} | {p} | {f:.2f} |\n" for h, f_, m, p, f in ab)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,375 +1,418 @@
-"""Public ops: argument validation, output allocation and launches. Every check runs before anything is
-launched or written, and raises TypeError/ValueError (bad arguments) or LookupError (not in the bundle)."""
+"""The public ops (docs/api.md §3-§6): argument checks, output allocation and launches.
+
+Every check runs before anything is launched or written, and raises TypeError / ValueError (bad arguments) or
+LookupError (not in the bundle). This is the eager hot path: checks are plain attribute reads and integer
+arithmetic, kernel arguments are filled by parameter name into a launcher built once (loader.runtime).
+"""
 
 from __future__ import annotations
 
-import math
+import weakref
 
 import torch
+from torch import Tensor
 
-from loader import runtime
-from loader.bundle import BundleError  # noqa: F401  (re-exported)
-from loader.runtime import current_bundle, load_bundle, set_pdl  # noqa: F401  (re-exported)
+from loader import abi, runtime
+from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_M
 
-K = 2048
-HEAD_DIM = 128
-MAX_M = 8
+_BF16, _F32, _I64, _U8, _E4M3 = torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.float8_e4m3fn
+_I32_MAX = (1 << 31) - 1
+# torch's current stream of a device as a raw handle (0.1 µs; torch.cuda.current_stream costs ~5 µs)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda d: torch.cuda.current_stream(d).cuda_stream)
+_compiling = torch.compiler.is_compiling
+_options = runtime.options
+_launcher = runtime.launcher
 
 
-# ----------------------------------------------------------------------------- validation helpers
-def _tensor(
-    name: str, t, dtype: torch.dtype, shape: tuple | None = None, device=None, align: int = 16
-) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
+# ----------------------------------------------------------------------------- checks
+def _t(name: str, t, dtype, shape: tuple, dev: int, align: int = 16) -> int:
+    """data_ptr of t, a contiguous tensor of this dtype and shape on CUDA device dev, `align`-byte aligned."""
+    if isinstance(t, Tensor) and t.dtype is dtype and t.get_device() == dev and t.shape == shape:
+        p = t.data_ptr()
+        if t.is_contiguous() and not p % align:
+            return p
+    if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
+    if t.dtype is not dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (all tensors on one device)")
-    if shape is not None and tuple(t.shape) != tuple(shape):
+    if t.get_device() != dev:
+        raise ValueError(f"{name} is on {t.device}, expected cuda:{dev} (all tensors on x's CUDA device)")
+    if t.shape != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
-    if t.data_ptr() % align:
-        raise ValueError(f"{name} must be {align}-byte aligned (data_ptr % {align} = {t.data_ptr() % align})")
-    return t
+    raise ValueError(f"{name} must be {align}-byte aligned (data_ptr % {align} = {t.data_ptr() % align})")
 
 
 def _eps(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a Python float, got {type(v).__name__}")
-    v = float(v)
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"{name} must be finite and >= 0, got {v}")
-    return v
+    if not 0 <= v <= F32_MAX:  # also refuses NaN, and values that are infinite as the kernel's fp32
+        raise ValueError(f"{name} must be finite and >= 0 as an fp32 (0 <= {name} <= {F32_MAX:.4g}), got {v}")
+    return float(v)
 
 
-def _activations(x) -> int:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2 or x.shape[1] != K:
-        raise ValueError(f"x must have shape [M, {K}], got {list(x.shape)}")
-    m = x.shape[0]
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"x has M = {m} tokens; supported: 1 <= M <= {MAX_M}")
-    _tensor("x", x, torch.bfloat16, (m, K))
-    return m
+def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int]:
+    """(M, device index) of activations: a 2-D tensor [M, cols] on a CUDA device, 1 <= M <= 8."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    s = x.shape
+    if len(s) != 2 or s[1] != cols or not 1 <= s[0] <= MAX_M:
+        raise ValueError(f"{name} must have shape [M, {cols}] with 1 <= M <= {MAX_M}, got {list(s)}")
+    dev = x.get_device()
+    if dev < 0:
+        raise ValueError(f"{name} must be on a CUDA device, got {x.device}")
+    return s[0], dev
 
 
-# ----------------------------------------------------------------------------- input norm
-def _norm(x, residual, weight, eps):
-    m = _activations(x)
-    dev = x.device
-    if residual is not None:
-        _tensor("residual", residual, torch.bfloat16, (m, K), dev)
-    _tensor("norm weight", weight, torch.bfloat16, (K,), dev)
-    eps = _eps("eps", eps)
-    k = runtime.get_kernel(dev, "norm", {"residual": residual is not None})
-    with torch.cuda.device(dev):
-        return _launch_norm(k, x, residual, weight, eps, torch.cuda.current_stream(dev))
-
-
-def _launch_norm(k, x, residual, weight, eps, stream):
-    """Allocate xn and residual_out (x itself without a residual) and launch the norm kernel k."""
-    xn = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
-    res_in = residual if residual is not None else x
-    runtime.launch(
-        k,
-        {"M": x.shape[0]},
-        [x.data_ptr(), res_in.data_ptr(), res_out.data_ptr(), xn.data_ptr(), weight.data_ptr(), eps],
-        stream,
-    )
-    return xn, res_out
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= 8."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flint.rms_norm(x, weight, eps)
-    return _norm(x, None, weight, eps)[0]
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """r = bf16(x + residual); returns (rms_norm(r, weight, eps), r), both new tensors."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flint.fused_add_rms_norm(x, residual, weight, eps)
-    if residual is None:
-        raise TypeError("residual must be a tensor (use rms_norm when there is none)")
-    return _norm(x, residual, weight, eps)
-
-
-# ----------------------------------------------------------------------------- fused qkv
-_NO_ROPE: dict[torch.device, torch.Tensor] = {}
-_bounds_check = False
-
-
-def set_bounds_check(enabled: bool) -> None:
-    """Opt-in checked mode for flint_qkv_fused: raise ValueError when a position lies outside the cos/sin
-    table or a slot outside the cache, instead of the kernel's safe default (NaN q/k for that token; slot not
-    written). Costs a device-to-host copy per call and cannot be used inside CUDA-graph capture."""
-    global _bounds_check
-    _bounds_check = bool(enabled)
-
-
-def no_rope_table(device) -> torch.Tensor:
-    """Placeholder fp32 cos|sin argument for kernels compiled without RoPE (a zero [1, 128] table)."""
-    device = torch.device(device)
-    t = _NO_ROPE.get(device)
-    if t is None:
-        t = _NO_ROPE[device] = torch.zeros(1, HEAD_DIM, dtype=torch.float32, device=device)
-    return t
-
-
-def _heads(num_q_heads, num_kv_heads) -> tuple[int, int]:
-    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+def _heads(nq, nkv) -> tuple[int, int]:
+    for name, v in (("num_q_heads", nq), ("num_kv_heads", nkv)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    return num_q_heads, num_kv_heads
+        if not 1 <= v <= 4096:
+            raise ValueError(f"{name} must be in 1..4096, got {v}")
+    if nq % nkv:
+        raise ValueError(f"num_q_heads ({nq}) must be a multiple of num_kv_heads ({nkv})")
+    return nq, nkv
 
 
-def _cache(name, t, nkv, dev) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.bfloat16:
-        raise TypeError(f"{name} must be torch.bfloat16, got {t.dtype}")
-    if t.device != dev:
-        raise ValueError(f"{name} is on {t.device}, expected {dev} (all tensors on one device)")
-    if t.dim() != 4 or t.shape[2] != nkv or t.shape[3] != HEAD_DIM or t.shape[0] < 1 or t.shape[1] < 1:
-        raise ValueError(
-            f"{name} must have shape [num_blocks, block_size, {nkv}, {HEAD_DIM}], got {list(t.shape)}"
-        )
-    if t.stride(3) != 1:
-        raise ValueError(f"{name} must have last stride 1, got strides {t.stride()}")
-    return t
-
-
-def _weight(weight, weight_scale, global_scale, dev, n: int | None):
-    """Validate a BF16 or NVFP4 weight of n rows (any multiple of 16 when n is None). Returns
-    (fmt, n, scale_ptr, global_scale_ptr); BF16 kernels never read the scale pointers (the weight's)."""
-    if not isinstance(weight, torch.Tensor):
+def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tuple[str, int, dict]:
+    """(format, N, kernel arguments) of a BF16 or NVFP4 weight of n rows (when n is None: any multiple of 16
+    up to abi.MAX_GEMV_ROWS). BF16 kernels never read the scale pointers (they get the weight's)."""
+    if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype not in (torch.bfloat16, torch.uint8):
-        raise TypeError(f"weight must be bf16 [N, {K}] or NVFP4 uint8 [N, {K // 2}], got {weight.dtype}")
-    fmt = "bf16" if weight.dtype == torch.bfloat16 else "nvfp4"
-    cols = K if fmt == "bf16" else K // 2
+    fmt = "bf16" if weight.dtype is _BF16 else "nvfp4" if weight.dtype is _U8 else None
+    if fmt is None:
+        raise TypeError(f"weight must be bf16 [N, {HIDDEN}] or NVFP4 uint8 [N, {HIDDEN // 2}], got {weight.dtype}")
+    cols = HIDDEN if fmt == "bf16" else abi.NVFP4_ROW_BYTES
     if n is None:
-        if weight.dim() != 2 or weight.shape[0] < 16 or weight.shape[0] % 16 or weight.shape[1] != cols:
-            raise ValueError(f"weight must have shape [N, {cols}] with N a positive multiple of 16, "
-                             f"got {list(weight.shape)}")  # fmt: skip
-        n = weight.shape[0]
-    _tensor("weight", weight, weight.dtype, (n, cols), dev)
+        n = weight.shape[0] if weight.dim() == 2 else 0
+        if not (16 <= n <= abi.MAX_GEMV_ROWS and n % 16 == 0):
+            raise ValueError(f"weight must have shape [N, {cols}], N a multiple of 16 in 16..{abi.MAX_GEMV_ROWS} "
+                             f"(the kernels' 32-bit row offsets), got {list(weight.shape)}")  # fmt: skip
+    w = _t("weight", weight, weight.dtype, (n, cols), dev)
     if fmt == "bf16":
         if weight_scale is not None or global_scale is not None:
             raise ValueError("weight_scale and global_scale must be None for a BF16 weight")
-        return fmt, n, weight.data_ptr(), weight.data_ptr()
+        return fmt, n, {"weight": w, "weight_scale": w, "global_scale": w}
     if weight_scale is None or global_scale is None:
         raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
-    if not isinstance(weight_scale, torch.Tensor):
-        raise TypeError(f"weight_scale must be a torch.Tensor, got {type(weight_scale).__name__}")
-    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
-        raise TypeError(
-            "weight_scale must be torch.float8_e4m3fn (or a torch.uint8 view of it), "
-            f"got {weight_scale.dtype}"
-        )
+    sdt = weight_scale.dtype if isinstance(weight_scale, Tensor) else None
+    if sdt is not _E4M3 and sdt is not _U8:
+        raise TypeError(f"weight_scale must be a torch.float8_e4m3fn (or torch.uint8 view) tensor, got {sdt}")
     n_pad = -(-n // 128) * 128  # the 128x4 swizzle pads rows to a multiple of 128
-    _tensor("weight_scale", weight_scale, weight_scale.dtype, (n_pad, K // 16), dev, align=4)
-    if not isinstance(global_scale, torch.Tensor):
-        raise TypeError(f"global_scale must be a torch.Tensor, got {type(global_scale).__name__}")
-    if global_scale.numel() != 1:
-        raise ValueError(f"global_scale must hold one fp32 element, got shape {list(global_scale.shape)}")
-    _tensor("global_scale", global_scale.reshape(1), torch.float32, (1,), dev, align=4)
-    return fmt, n, weight_scale.data_ptr(), global_scale.data_ptr()
+    ws = _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
+    return fmt, n, {"weight": w, "weight_scale": ws, "global_scale": _scalar("global_scale", global_scale, dev)}
 
 
-class _QK:
-    """Validated inputs of the per-head stage (shared by flint_qkv_fused and qk_norm_rope_cache)."""
+def _scalar(name: str, t, dev: int) -> int:
+    """data_ptr of a one-element fp32 tensor on device dev."""
+    if isinstance(t, Tensor) and t.numel() == 1:
+        return _t(name, t, _F32, t.shape, dev, align=4)
+    raise (TypeError if not isinstance(t, Tensor) else ValueError)(
+        f"{name} must be a one-element fp32 tensor, got {list(t.shape) if isinstance(t, Tensor) else type(t)}"
+    )
 
-    def __init__(self, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
-                 k_cache, v_cache, slot_mapping):  # fmt: skip
-        _tensor("q_norm_weight", q_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
-        _tensor("k_norm_weight", k_norm_weight, torch.bfloat16, (HEAD_DIM,), dev)
-        self.eps = _eps("qk_eps", qk_eps)
-        self.rope = cos_sin_cache is not None
-        if self.rope:
-            if not isinstance(cos_sin_cache, torch.Tensor) or cos_sin_cache.dim() != 2:
-                raise ValueError("cos_sin_cache must be an fp32 tensor [max_pos, 128] or None")
-            max_pos = cos_sin_cache.shape[0]
-            _tensor("cos_sin_cache", cos_sin_cache, torch.float32, (max_pos, HEAD_DIM), dev)
-            if not 1 <= max_pos < 2**31:
-                raise ValueError(f"cos_sin_cache must have 1 <= max_pos < 2**31 rows, got {max_pos}")
-            self.cs = cos_sin_cache
-        else:
-            self.cs = no_rope_table(dev)
-        _tensor("positions", positions, torch.int64, (m,), dev)
-        _cache("k_cache", k_cache, nkv, dev)
-        _cache("v_cache", v_cache, nkv, dev)
-        if tuple(v_cache.shape) != tuple(k_cache.shape) or v_cache.stride() != k_cache.stride():
-            raise ValueError(
-                f"k_cache and v_cache must have the same shape and strides, got {list(k_cache.shape)} "
-                f"{k_cache.stride()} and {list(v_cache.shape)} {v_cache.stride()}"
-            )
-        if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
-            raise ValueError("slot_mapping must be a 1-D int64 tensor of at most M entries")
-        self.s = slot_mapping.shape[0]
-        _tensor("slot_mapping", slot_mapping, torch.int64, (self.s,), dev)
-        if self.s > m:
-            raise ValueError(f"slot_mapping has {self.s} entries, more than the M = {m} tokens")
-        self.nb, self.bs = k_cache.shape[0], k_cache.shape[1]
-        self.args = (q_norm_weight, k_norm_weight, positions, slot_mapping, k_cache, v_cache)
 
-    def check_bounds(self, positions, slot_mapping):
-        if _bounds_check:
-            _check_bounds(positions, slot_mapping, self.cs.shape[0] if self.rope else None, self.nb * self.bs)
+_scale_ok: dict[int, tuple] = {}  # id(tensor) -> (weak reference, its _version when read and found valid)
 
-    def tail(self, k_cache):
-        """The kernels' trailing scalars: num_slot_mapping, max_pos, block_size, num_cache_slots, strides."""
-        return [self.s, self.cs.shape[0], self.bs, self.nb * self.bs,
-                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)]  # fmt: skip
+
+def _kv_scale(name: str, t, dev: int, recheck: bool) -> int:
+    """data_ptr of an FP8 cache scale, checked to be one finite fp32 > 0 on device dev. The value is read
+    (a device-to-host copy) again after every in-place change torch records (the tensor's version counter),
+    and on every call in checked mode; not during CUDA-graph capture, where an unread scale is refused."""
+    p = _scalar(name, t, dev)
+    ref, version = _scale_ok.get(id(t), (None, None))
+    if recheck or version != t._version or ref() is not t:
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(f"{name} was never checked and cannot be read during CUDA-graph capture: call the "
+                             "op once before capturing")  # fmt: skip
+        v = t.item()
+        if not 0 < v <= F32_MAX:
+            raise ValueError(f"{name} must be finite and > 0, got {v}")
+        _scale_ok[id(t)] = (weakref.ref(t), t._version)
+    return p
+
+
+def _cache(name: str, t, nkv: int, dev: int):
+    """(num_blocks, block_size, strides) of a paged KV cache view (docs/api.md §7): no zero or overlapping
+    strides (the kernels write it), block size within the kernels' int32."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype is not _BF16 and t.dtype is not _E4M3 and t.dtype is not _U8:
+        raise TypeError(f"{name} must be torch.bfloat16, or torch.float8_e4m3fn / torch.uint8 (an FP8 e4m3 "
+                        f"cache), got {t.dtype}")  # fmt: skip
+    if t.get_device() != dev:
+        raise ValueError(f"{name} is on {t.device}, expected cuda:{dev} (all tensors on x's CUDA device)")
+    shape, st = t.shape, t.stride()
+    if len(shape) != 4 or shape[2] != nkv or shape[3] != HEAD_DIM or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"{name} must have shape [num_blocks, block_size, {nkv}, {HEAD_DIM}], got {list(shape)}")
+    nb, bs = shape[0], shape[1]
+    if st[3] != 1:
+        raise ValueError(f"{name} must have last stride 1, got strides {st}")
+    if bs > _I32_MAX:
+        raise ValueError(f"{name}: block_size {bs} exceeds the kernels' int32 block size ({_I32_MAX})")
+    head = (nkv - 1) * st[2] + HEAD_DIM
+    if not (st[2] >= HEAD_DIM and st[1] >= head and st[0] >= (bs - 1) * st[1] + head):  # not the usual order
+        span = 1
+        for stride, size in sorted((d, s) for s, d in zip(shape, st, strict=True) if s > 1):
+            if stride < span:
+                raise ValueError(f"{name} must not have zero or overlapping strides (the kernels write it): "
+                                 f"shape {list(shape)}, strides {st}")  # fmt: skip
+            span += stride * (size - 1)
+    return nb, bs, st
+
+
+def _disjoint(k: Tensor, v: Tensor, nb: int, bs: int, nkv: int, st) -> bool:
+    """Whether two cache views of identical shape and strides share no block's memory: block b of k spans
+    [k + b s0, + extent), of v [v + b s0, + extent) (elements)."""
+    isz = k.element_size()
+    extent = (bs - 1) * st[1] + (nkv - 1) * st[2] + HEAD_DIM
+    d, rem = divmod(abs(v.data_ptr() - k.data_ptr()), isz)
+    if d >= (nb - 1) * st[0] + extent:  # whole views apart
+        return True
+    if rem or nb == 1:
+        return not rem and d >= extent
+    q, r = divmod(d, st[0])  # the nearest blocks of the other view lie r before and s0 - r after
+    return r >= extent and (q + 1 >= nb or st[0] - r >= extent)
+
+
+def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+              slot_mapping, k_scale, v_scale, checked) -> tuple[dict, bool, str]:  # fmt: skip
+    """Kernel arguments of the per-head stage (flint_qkv_fused, qk_norm_rope_cache), RoPE on/off, cache dtype."""
+    if cos_sin_cache is not None:
+        if cos_sin_cache is _NO_ROPE.get(dev):
+            raise ValueError("cos_sin_cache is loader.no_rope_table(), a placeholder: pass None for no RoPE")
+        max_pos = cos_sin_cache.shape[0] if isinstance(cos_sin_cache, Tensor) and cos_sin_cache.dim() == 2 else 0
+        if not 1 <= max_pos <= _I32_MAX:
+            raise ValueError("cos_sin_cache must be an fp32 tensor [max_pos, 128], 1 <= max_pos < 2**31, or None")
+        cs = _t("cos_sin_cache", cos_sin_cache, _F32, (max_pos, HEAD_DIM), dev)
+    else:
+        max_pos, cs = 1, _no_rope(dev).data_ptr()
+    if not isinstance(slot_mapping, Tensor) or slot_mapping.dim() != 1 or slot_mapping.shape[0] > m:
+        raise ValueError(f"slot_mapping must be a 1-D int64 tensor of at most M = {m} entries")
+    s = slot_mapping.shape[0]
+    nb, bs, st = _cache("k_cache", k_cache, nkv, dev)
+    vst = _cache("v_cache", v_cache, nkv, dev)[2]
+    kdt = k_cache.dtype
+    if v_cache.shape != k_cache.shape or vst != st or v_cache.dtype is not kdt:
+        raise ValueError(f"k_cache and v_cache must have the same shape, strides and dtype, got {list(k_cache.shape)} "
+                         f"{st} {kdt} and {list(v_cache.shape)} {vst} {v_cache.dtype}")  # fmt: skip
+    if not _disjoint(k_cache, v_cache, nb, bs, nkv, st):
+        raise ValueError("k_cache and v_cache overlap (the same memory, or a block of one inside the other's): "
+                         "the kernels would write k and v to the same elements")  # fmt: skip
+    kv = "bf16" if kdt is _BF16 else "fp8_e4m3"
+    if kv == "bf16":
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale and v_scale are for FP8 caches only: pass None with a bf16 cache")
+        ks = vs = cs  # never read by a BF16 build
+    else:
+        if k_scale is None or v_scale is None:
+            raise ValueError(f"an FP8 cache ({kdt}) needs k_scale and v_scale (one-element fp32 tensors)")
+        ks, vs = _kv_scale("k_scale", k_scale, dev, checked), _kv_scale("v_scale", v_scale, dev, checked)
+    args = {
+        "q_norm_weight": _t("q_norm_weight", q_norm_weight, _BF16, (HEAD_DIM,), dev),
+        "k_norm_weight": _t("k_norm_weight", k_norm_weight, _BF16, (HEAD_DIM,), dev),
+        "cos_sin_cache": cs, "positions": _t("positions", positions, _I64, (m,), dev, align=8),
+        "slot_mapping": _t("slot_mapping", slot_mapping, _I64, (s,), dev, align=8),
+        "k_cache": k_cache.data_ptr(), "v_cache": v_cache.data_ptr(), "k_scale": ks, "v_scale": vs,
+        "m": m, "num_slot_mapping": s, "max_pos": max_pos, "block_size": bs, "num_cache_slots": nb * bs,
+        "stride_block": st[0], "stride_slot": st[1], "stride_head": st[2], "qk_eps": _eps("qk_eps", qk_eps),
+    }  # fmt: skip
+    if checked:
+        _check_bounds(positions, slot_mapping, max_pos if cos_sin_cache is not None else None, nb * bs)
+    return args, cos_sin_cache is not None, kv
+
+
+def _check_bounds(positions, slot_mapping, max_pos, num_slots):
+    """Checked mode: values the kernels would skip (NaN q/k, slot not written) raise instead."""
+    if torch.cuda.is_current_stream_capturing():
+        raise ValueError("bounds_check reads positions and slots on the host: not usable during graph capture")
+    if max_pos is not None:
+        bad = [(t, p) for t, p in enumerate(positions.tolist()) if not 0 <= p < max_pos]
+        if bad:
+            raise ValueError(f"positions outside the cos/sin table [0, {max_pos}): token, position = {bad}")
+    slots = slot_mapping.tolist()
+    bad = [(t, s) for t, s in enumerate(slots) if s >= num_slots]
+    if bad:
+        raise ValueError(f"slots outside the cache (num_blocks * block_size = {num_slots}): token, slot = {bad}")
+    seen: dict[int, int] = {}
+    for t, s in enumerate(slots):
+        if s >= 0 and seen.setdefault(s, t) != t:
+            raise ValueError(f"slot {s} is mapped twice (tokens {seen[s]} and {t}): each token needs its own slot")
+
+
+def _norm_args(x, residual, weight, eps, m: int, dev: int) -> tuple[dict, Tensor]:
+    """Kernel arguments of the input norm (norm kernel or prologue) and residual_out (x itself without one)."""
+    xp = _t("x", x, _BF16, (m, HIDDEN), dev)
+    wp, eps = _t("norm_weight", weight, _BF16, (HIDDEN,), dev), _eps("eps", eps)
+    if residual is None:
+        return {"x": xp, "residual": xp, "residual_out": xp, "norm_weight": wp, "eps": eps}, x
+    rp = _t("residual", residual, _BF16, (m, HIDDEN), dev)
+    res_out = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
+    return {"x": xp, "residual": rp, "residual_out": res_out.data_ptr(), "norm_weight": wp, "eps": eps}, res_out
+
+
+def _launch_norm(args: dict, x: Tensor, m: int, dev: int, has_res: bool, stream: int, pdl: bool) -> Tensor:
+    k = _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
+    xn = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
+    k.pack({"x": args["x"], "residual": args["residual"], "residual_out": args["residual_out"],
+            "xn": xn.data_ptr(), "weight": args["norm_weight"], "eps": args["eps"]})  # fmt: skip
+    k.launch(m, stream, pdl)
+    return xn
+
+
+# ----------------------------------------------------------------------------- input norm
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= 8 (docs/api.md §4)."""
+    if _compiling():
+        return torch.ops.flint.rms_norm(x, weight, eps)
+    m, dev = _x(x)
+    args = _norm_args(x, None, weight, eps, m, dev)[0]
+    return _launch_norm(args, x, m, dev, False, _raw_stream(dev), _options().pdl)
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """r = bf16(x + residual); returns (rms_norm(r, weight, eps), r), both new tensors (docs/api.md §4)."""
+    if _compiling():
+        return torch.ops.flint.fused_add_rms_norm(x, residual, weight, eps)
+    if residual is None:
+        raise TypeError("residual must be a tensor (use rms_norm when there is none)")
+    m, dev = _x(x)
+    args, res_out = _norm_args(x, residual, weight, eps, m, dev)
+    return _launch_norm(args, x, m, dev, True, _raw_stream(dev), _options().pdl), res_out
+
+
+# ----------------------------------------------------------------------------- fused qkv
+_NO_ROPE: dict[int, Tensor] = {}
+
+
+def _no_rope(dev: int) -> Tensor:
+    t = _NO_ROPE.get(dev)
+    if t is None:
+        t = _NO_ROPE[dev] = torch.zeros(1, HEAD_DIM, dtype=_F32, device=torch.device("cuda", dev))
+    return t
+
+
+def no_rope_table(device) -> Tensor:
+    """The placeholder fp32 table that kernels built without RoPE receive (zeros [1, 128]). Not a valid
+    `cos_sin_cache`: pass None for no RoPE (docs/api.md §8)."""
+    device = torch.device(device)
+    return _no_rope(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def flint_qkv_fused(
-    x,
-    residual,
-    norm_weight,
-    eps,
-    weight,
-    weight_scale,
-    global_scale,
-    q_norm_weight,
-    k_norm_weight,
-    qk_eps,
-    cos_sin_cache,
-    positions,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    num_q_heads,
-    num_kv_heads,
-):
-    """Residual-add RMSNorm + qkv GEMV + q/k RMSNorm, NeoX RoPE, paged KV-cache write, for M <= 8 tokens.
+    x: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    weight_scale: Tensor | None,
+    global_scale: Tensor | None,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    qk_eps: float,
+    cos_sin_cache: Tensor | None,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Residual-add RMSNorm + qkv GEMV + q/k RMSNorm, NeoX RoPE, paged KV-cache write, for M <= 8 tokens
+    (docs/api.md §3; numerics: docs/numerics.md).
 
     Returns (q bf16 [M, num_q_heads * 128], residual_out bf16 [M, 2048]); residual_out is x itself when
-    residual is None. Shapes and semantics: SPEC §2. A position outside cos_sin_cache makes that token's
-    q/k heads NaN and a slot >= num_blocks * block_size is not written (no out-of-bounds access either
-    way); `set_bounds_check(True)` raises on them instead.
+    residual is None. An FP8 cache (float8_e4m3fn, or uint8 meaning e4m3) needs k_scale and v_scale. A position
+    outside cos_sin_cache makes that token's q/k heads NaN; a negative slot or one >= num_blocks * block_size is
+    not written; `launch_options(bounds_check=True)` raises on them instead. PDL input contract (docs/api.md
+    §14): the weights, their scales and the norm weights may be read before the kernel waits for its
+    predecessor on the stream, so that predecessor must not write them.
     """
-    if torch.compiler.is_compiling():
+    if _compiling():
         q, r = torch.ops.flint.qkv_fused(
             x, residual, norm_weight, eps, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
             qk_eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         return q, (x if residual is None else r)  # (the op never aliases an input)
-    m = _activations(x)
-    dev = x.device
+    m, dev = _x(x)
     nq, nkv = _heads(num_q_heads, num_kv_heads)
-    n = (nq + 2 * nkv) * HEAD_DIM
-    if residual is not None:
-        _tensor("residual", residual, torch.bfloat16, (m, K), dev)
-    _tensor("norm_weight", norm_weight, torch.bfloat16, (K,), dev)
-    eps = _eps("eps", eps)
-    fmt, _, ws, gs = _weight(weight, weight_scale, global_scale, dev, n)
-    qk = _QK(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
-             slot_mapping)  # fmt: skip
-    norm_k = runtime.get_kernel(dev, "norm", {"residual": residual is not None})
-    qkv_k = runtime.get_kernel(dev, "qkv", {"weight_format": fmt, "rope": qk.rope, "heads": [nq, nkv]})
-    qk.check_bounds(positions, slot_mapping)
-
-    q = torch.empty(m, nq * HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev)
-        xn, res_out = _launch_norm(norm_k, x, residual, norm_weight, eps, stream)
-        args = [xn.data_ptr(), weight.data_ptr(), ws, gs, q_norm_weight.data_ptr(), k_norm_weight.data_ptr(),
-                qk.cs.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), q.data_ptr(),
-                k_cache.data_ptr(), v_cache.data_ptr(), m, *qk.tail(k_cache), qk.eps]  # fmt: skip
-        runtime.launch(qkv_k, {"ROW_BLOCKS": n // 16}, args, stream)
+    fmt, n, wargs = _weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
+    opts = _options()
+    nargs, res_out = _norm_args(x, residual, norm_weight, eps, m, dev)
+    eargs, rope, kv = _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
+                                k_cache, v_cache, slot_mapping, k_scale, v_scale, opts.bounds_check)  # fmt: skip
+    # one kernel per layer when the bundle has the prologue design, else the norm kernel + the qkv kernel
+    k = _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv), lambda: [
+        abi.qkv_spec(fmt, rope, nq, nkv, kv, norm) for norm in abi.NORM_MODES[::-1]])  # fmt: skip
+    q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=x.device)
+    stream, has_res = _raw_stream(dev), residual is not None
+    if k.entry.spec["norm"] == "prologue":
+        k.pack({**wargs, **eargs, **nargs, "q": q.data_ptr(), "has_residual": int(has_res)})
+    else:
+        xn = _launch_norm(nargs, x, m, dev, has_res, stream, opts.pdl)
+        k.pack({**wargs, **eargs, "x": xn.data_ptr(), "residual": 0, "residual_out": 0, "norm_weight": 0,
+                "eps": 0.0, "q": q.data_ptr(), "has_residual": 0})  # fmt: skip
+    k.launch(n // abi.ROWS_PER_CTA, stream, opts.pdl)
     return q, res_out
 
 
 # ----------------------------------------------------------------------------- the unfused path
-def gemv(x, weight, weight_scale=None, global_scale=None) -> torch.Tensor:
+def gemv(x: Tensor, weight: Tensor, weight_scale: Tensor | None = None, global_scale: Tensor | None = None) -> Tensor:
     """y = bf16(x · Wᵀ) for x bf16 [M, 2048] (1 <= M <= 8) and W BF16 [N, 2048] or NVFP4 (uint8 [N, 1024],
-    e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N any
-    multiple of 16. Same fragment math, K split and summation order as the fused kernel: bit-identical to
-    its qkv values. Returns a new bf16 [M, N] tensor."""
-    if torch.compiler.is_compiling():
+    e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N a multiple
+    of 16 up to loader.abi.MAX_GEMV_ROWS. Bit-identical to the fused kernel's qkv values (docs/numerics.md
+    §2). Returns a new bf16 [M, N] tensor (docs/api.md §5)."""
+    if _compiling():
         return torch.ops.flint.gemv(x, weight, weight_scale, global_scale)
-    m = _activations(x)
-    dev = x.device
-    fmt, n, ws, gs = _weight(weight, weight_scale, global_scale, dev, None)
-    k = runtime.get_kernel(dev, "gemv", {"weight_format": fmt})
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
-    with torch.cuda.device(dev):
-        args = [x.data_ptr(), weight.data_ptr(), ws, gs, y.data_ptr(), m, n]
-        runtime.launch(k, {"ROW_BLOCKS": n // 16}, args, torch.cuda.current_stream(dev))
+    m, dev = _x(x)
+    fmt, n, args = _weight(weight, weight_scale, global_scale, dev, None)
+    xp = _t("x", x, _BF16, (m, HIDDEN), dev)
+    k = _launcher(dev, "gemv", fmt, lambda: abi.gemv_spec(fmt))
+    y = torch.empty(m, n, dtype=_BF16, device=x.device)
+    k.pack({**args, "x": xp, "y": y.data_ptr(), "m": m, "n": n})
+    k.launch(n // abi.ROWS_PER_CTA, _raw_stream(dev), _options().pdl)
     return y
 
 
 def qk_norm_rope_cache(
-    qkv,
-    q_norm_weight,
-    k_norm_weight,
-    qk_eps,
-    cos_sin_cache,
-    positions,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    num_q_heads,
-    num_kv_heads,
-) -> torch.Tensor:
-    """SPEC §3.3 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm, NeoX RoPE
-    (cos_sin_cache None = none), k and v written to the paged cache at slot_mapping (same rules and memory
-    safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128]."""
-    if torch.compiler.is_compiling():
-        return torch.ops.flint.qk_norm_rope_cache(qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache,
-                                                  positions, k_cache, v_cache, slot_mapping, num_q_heads,
-                                                  num_kv_heads)  # fmt: skip
-    if not isinstance(qkv, torch.Tensor):
-        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    qkv: Tensor,
+    q_norm_weight: Tensor,
+    k_norm_weight: Tensor,
+    qk_eps: float,
+    cos_sin_cache: Tensor | None,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    *,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> Tensor:
+    """docs/numerics.md §3-§4 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm,
+    NeoX RoPE (cos_sin_cache None = none), k and v written to the paged (BF16 or FP8) cache at slot_mapping
+    (same rules and memory safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128] (docs/api.md §6)."""
+    if _compiling():
+        return torch.ops.flint.qk_norm_rope_cache(
+            qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
+            num_q_heads, num_kv_heads, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     nq, nkv = _heads(num_q_heads, num_kv_heads)
     n = (nq + 2 * nkv) * HEAD_DIM
-    if qkv.dim() != 2 or qkv.shape[1] != n or not 1 <= qkv.shape[0] <= MAX_M:
-        raise ValueError(f"qkv must have shape [M, {n}] with 1 <= M <= {MAX_M} for {nq} q and {nkv} kv "
-                         f"heads, got {list(qkv.shape)}")  # fmt: skip
-    m = qkv.shape[0]
-    dev = qkv.device
-    _tensor("qkv", qkv, torch.bfloat16, (m, n))
-    qk = _QK(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
-             slot_mapping)  # fmt: skip
-    k = runtime.get_kernel(dev, "qk_norm_rope_cache", {"rope": qk.rope})
-    qk.check_bounds(positions, slot_mapping)
-    q = torch.empty(m, nq * HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    with torch.cuda.device(dev):
-        args = [qkv.data_ptr(), q_norm_weight.data_ptr(), k_norm_weight.data_ptr(), qk.cs.data_ptr(),
-                positions.data_ptr(), slot_mapping.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-                v_cache.data_ptr(), m, nq, nkv, *qk.tail(k_cache), qk.eps]  # fmt: skip
-        runtime.launch(k, {"HEADS": nq + 2 * nkv}, args, torch.cuda.current_stream(dev))
+    m, dev = _x(qkv, "qkv", n)
+    checked = _options().bounds_check
+    args, rope, kv = _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
+                               k_cache, v_cache, slot_mapping, k_scale, v_scale, checked)  # fmt: skip
+    xp = _t("qkv", qkv, _BF16, (m, n), dev)
+    k = _launcher(dev, "qk_norm_rope_cache", (rope, kv), lambda: abi.qk_norm_rope_cache_spec(rope, kv))
+    q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=qkv.device)
+    k.pack({**args, "qkv": xp, "q": q.data_ptr(), "num_q_heads": nq, "num_kv_heads": nkv})
+    k.launch(nq + 2 * nkv, _raw_stream(dev), _options().pdl)
     return q
-
-
-def _check_bounds(positions, slot_mapping, max_pos, num_slots):
-    pos = positions.tolist()
-    if max_pos is not None:
-        bad = [(t, p) for t, p in enumerate(pos) if not 0 <= p < max_pos]
-        if bad:
-            raise ValueError(f"positions outside the cos/sin table [0, {max_pos}): token, position = {bad}")
-    bad = [(t, sl) for t, sl in enumerate(slot_mapping.tolist()) if sl >= num_slots]
-    if bad:
-        raise ValueError(
-            f"slots outside the cache (num_blocks * block_size = {num_slots}): token, slot = {bad}"
-        )
-
-
-# Under torch.compile (Dynamo tracing) each public op below becomes the custom op of loader/torch_ops.py
-# (namespace `flint`: fake implementation, the KV-cache mutation declared), whose real implementation calls
-# the same function again at run time, outside tracing: no graph break, and the compiled graph captures.
-from loader import torch_ops  # noqa: E402,F401  (registers the flint:: custom ops)

@@ -1,33 +1,37 @@
-"""CUDA driver side of the loader: bundle discovery, per-device module loading, cuLaunchKernelEx.
+"""CUDA driver side of the loader (docs/bundle.md §4): where the bundle is, per-device module loading, and
+ready-to-launch kernels.
 
-torch and cuda-bindings only. Modules are loaded lazily, once per (device, cubin), under a lock, into
-the device's primary context (the one torch uses). Launches go to torch's current stream with the
-cluster-dimension and programmatic-stream-serialization (PDL) attributes, so they can be captured in
-a CUDA graph.
+torch and cuda-bindings only. A cubin is loaded once per device, lazily, under a lock, into the device's
+primary context (torch's). A `Launcher` is built once per (thread, device, kind, spec): function handle, launch
+configs with their cluster and PDL attributes, and a parameter buffer laid out from the manifest's parameter
+list; a call fills the buffer by parameter name and calls cuLaunchKernelEx on torch's current stream, so
+launches can be captured in CUDA graphs. Launch settings are scoped (`launch_options`), never process-wide.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
+import operator
 import os
+import struct
 import threading
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from cuda.bindings import driver as cu
 
-from loader.bundle import Bundle
-from loader.manifest import ARCH_CC, KernelEntry
+from loader.abi import ARCH_CC
+from loader.bundle import Bundle, BundleError
+from loader.manifest import KernelEntry
 
 _PACKAGED_BUNDLE = Path(__file__).resolve().parent / "_bundle"  # installed by `flint-aot pack`
 _DEFAULT_BUNDLE = Path(__file__).resolve().parent.parent / "build" / "flint"  # a source checkout
-_lock = threading.RLock()
-_bundle: Bundle | None = None
-_modules: dict[tuple[int, str, str], _Loaded] = {}  # (device, arch, name) -> loaded kernel
-_tls = threading.local()
-_pdl_enabled = True
-
-_CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+_FORMAT = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
+_SUCCESS = cu.CUresult.CUDA_SUCCESS
 
 
 class CudaError(RuntimeError):
@@ -35,28 +39,78 @@ class CudaError(RuntimeError):
 
 
 def _check(result, what: str):
-    err = result[0] if isinstance(result, tuple) else result
-    if err != cu.CUresult.CUDA_SUCCESS:
+    err = result[0]
+    if err != _SUCCESS:
         _, name = cu.cuGetErrorName(err)
-        _, desc = cu.cuGetErrorString(err)
-        raise CudaError(f"{what} failed: {name.decode() if name else err} ({desc.decode() if desc else ''})")
-    if isinstance(result, tuple):
-        return result[1] if len(result) == 2 else result[1:]
-    return None
+        raise CudaError(f"{what} failed: {name.decode() if name else err}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+# ----------------------------------------------------------------------------- launch options
+@dataclass(frozen=True)
+class LaunchOptions:
+    pdl: bool = True  # programmatic stream serialization: the kernel's weight stream overlaps its predecessor
+    bounds_check: bool = (
+        False  # checked mode: raise on positions / slots the kernels would skip (docs/api.md)
+    )
+
+
+_options: contextvars.ContextVar[LaunchOptions] = contextvars.ContextVar(
+    "flint_launch", default=LaunchOptions()
+)
+
+
+@contextlib.contextmanager
+def launch_options(*, pdl: bool | None = None, bounds_check: bool | None = None):
+    """Scope launch settings to the code inside the `with` block, in this thread (or asyncio task) only:
+    `pdl=False` launches without the PDL attribute (A/B measurements); `bounds_check=True` is checked mode
+    (positions outside the cos/sin table, slots outside the cache and duplicate slots raise ValueError; one
+    device-to-host copy per call; not usable inside CUDA-graph capture)."""
+    cur = _options.get()
+    token = _options.set(LaunchOptions(cur.pdl if pdl is None else bool(pdl),
+                                       cur.bounds_check if bounds_check is None else bool(bounds_check)))  # fmt: skip
+    try:
+        yield
+    finally:
+        _options.reset(token)
+
+
+def options() -> LaunchOptions:
+    return _options.get()
 
 
 # ----------------------------------------------------------------------------- bundle
+_lock = threading.RLock()
+_bundle: Bundle | None = None
+_generation = 0  # bumped by load_bundle: every thread's launchers of older generations are dropped
+_modules: dict[tuple[int, str, str], tuple] = {}  # (device, arch, name) -> (module, function, context)
+_module_loads = 0
+_tls = threading.local()
+
+
 def load_bundle(path: str | os.PathLike | None = None) -> Bundle:
-    """Use the bundle at `path` (else $FLINT_AOT_BUNDLE, else the one packed with the loader, else build/flint
-    of the checkout) from now on.
-    Reads and validates its manifest at once; cubins are loaded lazily, per device, on first use."""
-    global _bundle
+    """Serve from the bundle at `path` (else $FLINT_AOT_BUNDLE, else the bundle packed with the loader, else
+    build/flint of the checkout) from now on. Reads and checks its manifest at once; cubins are loaded lazily,
+    per device. The previous bundle's modules are unloaded (after the devices finish their work): CUDA graphs
+    captured with them must not be replayed afterwards."""
+    global _bundle, _generation
     if path is None:
         path = os.environ.get("FLINT_AOT_BUNDLE") or packaged_bundle() or _DEFAULT_BUNDLE
     b = Bundle.open(path)
+    debug = sorted({k for e in b.manifest.kernels for k in e.spec if k.startswith("debug_")})
+    if debug:
+        warnings.warn(f"bundle {b.path} holds debug kernels ({', '.join(debug)}): never serve with it",
+                      stacklevel=2)  # fmt: skip
     with _lock:
-        _bundle = b
+        for dev in sorted({key[0] for key in _modules}):
+            torch.cuda.synchronize(dev)
+        for module, _, ctx in _modules.values():
+            cu.cuCtxPushCurrent(ctx)
+            cu.cuModuleUnload(module)
+            cu.cuCtxPopCurrent()
         _modules.clear()
+        _bundle = b
+        _generation += 1
     return b
 
 
@@ -72,17 +126,8 @@ def current_bundle() -> Bundle:
         return _bundle
 
 
-def set_pdl(enabled: bool) -> None:
-    """Launch with the programmatic-stream-serialization attribute (default on). For A/B measurements."""
-    global _pdl_enabled
-    _pdl_enabled = bool(enabled)
-
-
 def arch_for(cc: tuple[int, int]) -> str | None:
-    for arch, c in ARCH_CC.items():
-        if tuple(c) == tuple(cc):
-            return arch
-    return None
+    return next((a for a, c in ARCH_CC.items() if tuple(c) == tuple(cc)), None)
 
 
 def select_entry(bundle: Bundle, cc: tuple[int, int], kind: str, spec: dict) -> KernelEntry:
@@ -96,8 +141,12 @@ def select_entry(bundle: Bundle, cc: tuple[int, int], kind: str, spec: dict) -> 
             f"{', '.join(archs) or 'nothing'}. Add the architecture to `archs` in the config and rebuild "
             "with `flint-aot build CONFIG -o BUNDLE`"
         )
-    for e in bundle.manifest.kernels:
-        if e.arch == arch and e.kind == kind and _serving_spec(e.spec) == spec:
+    for e in bundle.manifest.kernels:  # a debug build (debug_* spec keys) serves the same calls
+        if (
+            e.arch == arch
+            and e.kind == kind
+            and {k: v for k, v in e.spec.items() if k[:6] != "debug_"} == spec
+        ):
             return e
     have = sorted({_spec_str(e.spec) for e in bundle.manifest.kernels if e.kind == kind and e.arch == arch})
     raise LookupError(
@@ -106,68 +155,50 @@ def select_entry(bundle: Bundle, cc: tuple[int, int], kind: str, spec: dict) -> 
     )
 
 
-def _serving_spec(spec: dict) -> dict:
-    """The spec without its debug_* keys: a debug bundle (e.g. a norm kernel built with
-    debug_spin_cycles) serves the same calls as a normal one."""
-    return {k: v for k, v in spec.items() if not k.startswith("debug_")}
-
-
 def _spec_str(spec: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(spec.items()))
 
 
-# ----------------------------------------------------------------------------- modules
-class _Loaded:
-    def __init__(self, key: tuple, entry: KernelEntry, module, function, ctx):
-        self.key = key
-        self.entry = entry
-        self.module = module
-        self.function = function
-        self.ctx = ctx  # the device's primary context (torch's), in which the module was loaded
-        self.ctx_id = int(ctx)
-        self.ctypes = [_CTYPES[p.type] for p in entry.params]
+def check_params(entry: KernelEntry, supplied) -> None:
+    """Refuse a manifest entry whose parameter names differ from the names the loader fills."""
+    have = [p.name for p in entry.params]
+    if sorted(have) != sorted(supplied):
+        raise BundleError(
+            f"{entry.file}: kernel {entry.name} takes parameters ({', '.join(have)}) but this loader fills "
+            f"({', '.join(supplied)}): bundle and loader come from different flint-aot versions; rebuild the "
+            "bundle with this version (`flint-aot build CONFIG -o BUNDLE`)"
+        )
 
 
-_module_loads = 0
-
-
-def _device_cc(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def get_kernel(device: torch.device, kind: str, spec: dict) -> _Loaded:
-    bundle = current_bundle()
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    cc = _device_cc(torch.device("cuda", idx))
-    entry = select_entry(bundle, cc, kind, spec)
-    key = (idx, entry.arch, entry.name)
-    k = _modules.get(key)
-    if k is not None:
-        return k
-    with _lock:
-        k = _modules.get(key)
-        if k is None:
-            image = bundle.read(entry)  # sha256 and ELF checked against the manifest
-            with torch.cuda.device(idx):
-                dev = _check(cu.cuDeviceGet(idx), "cuDeviceGet")
-                ctx = _check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")  # torch's context
-                _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-                module = _check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry.file})")
-                try:
-                    fn = _check(cu.cuModuleGetFunction(module, entry.entry.encode()), f"get {entry.entry}")
-                    if entry.cluster != (1, 1, 1):
-                        a = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-                        _check(cu.cuFuncSetAttribute(fn, a, 1), "cuFuncSetAttribute(non-portable cluster)")
-                    if entry.dyn_smem > 0:
-                        a = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                        _check(cu.cuFuncSetAttribute(fn, a, entry.dyn_smem), "cuFuncSetAttribute(dyn smem)")
-                except Exception:
-                    cu.cuModuleUnload(module)
-                    raise
-            k = _modules[key] = _Loaded(key, entry, module, fn, ctx)
-            global _module_loads
-            _module_loads += 1
-    return k
+def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
+    """(module, function, context) of entry on device dev, loaded once per process (caller holds _lock)."""
+    global _module_loads
+    key = (dev, entry.arch, entry.name)
+    if key in _modules:
+        return _modules[key]
+    image = bundle.read(entry)  # sha256 and ELF checked against the manifest
+    device = _check(cu.cuDeviceGet(dev), "cuDeviceGet")
+    ctx = _check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")  # torch's context
+    _check(cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        module = _check(cu.cuModuleLoadData(image), f"cuModuleLoadData({entry.file})")
+        try:
+            fn = _check(cu.cuModuleGetFunction(module, entry.entry.encode()), f"get {entry.entry}")
+            attr = cu.CUfunction_attribute
+            if entry.cluster != (1, 1, 1):
+                a = attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+                _check(cu.cuFuncSetAttribute(fn, a, 1), "cuFuncSetAttribute(non-portable cluster)")
+            if entry.dyn_smem > 0:
+                a = attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _check(cu.cuFuncSetAttribute(fn, a, entry.dyn_smem), "cuFuncSetAttribute(dynamic smem)")
+        except Exception:
+            cu.cuModuleUnload(module)
+            raise
+    finally:
+        cu.cuCtxPopCurrent()
+    _modules[key] = (module, fn, ctx)
+    _module_loads += 1
+    return _modules[key]
 
 
 def module_loads() -> int:
@@ -175,23 +206,39 @@ def module_loads() -> int:
     return _module_loads
 
 
-# ----------------------------------------------------------------------------- launch
-def _config(k: _Loaded, pdl: bool):
-    cache = getattr(_tls, "configs", None)
-    if cache is None:
-        cache = _tls.configs = {}
-    ck = (k.key, pdl)
-    cfg = cache.get(ck)
-    if cfg is None:
-        e = k.entry
+# ----------------------------------------------------------------------------- launchers
+class Launcher:
+    """One kernel, ready to launch on one device from one thread."""
+
+    def __init__(self, dev: int, entry: KernelEntry, function, ctx):
+        self.entry, self.function, self.ctx, self.dev = entry, function, ctx, dev
+        self.names = tuple(p.name for p in entry.params)
+        self._values = operator.itemgetter(*self.names)
+        fmt, offsets = "<", []
+        for p in entry.params:
+            size = struct.calcsize(_FORMAT[p.type])
+            pad = -struct.calcsize(fmt) % size  # natural C alignment, as the kernel's .param space
+            fmt += "x" * pad + _FORMAT[p.type]
+            offsets.append(struct.calcsize(fmt) - size)
+        self._struct = struct.Struct(fmt)
+        self._buf = ctypes.create_string_buffer(max(self._struct.size, 1))
+        base = ctypes.addressof(self._buf)
+        self._argv = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
+        self._argv_addr = ctypes.addressof(self._argv)
+        self._cfgs = {pdl: self._config(entry, pdl) for pdl in (True, False)}
+        self._grid = {pdl: None for pdl in (True, False)}
+        self._stream = {pdl: None for pdl in (True, False)}
+
+    @staticmethod
+    def _config(e: KernelEntry, pdl: bool):
         cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 1, 1, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = e.block
         cfg.sharedMemBytes = e.dyn_smem
-        attrs = []
         a = cu.CUlaunchAttribute()
         a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         a.value.programmaticStreamSerializationAllowed = int(pdl)
-        attrs.append(a)
+        attrs = [a]
         if e.cluster != (1, 1, 1):
             c = cu.CUlaunchAttribute()
             c.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -199,21 +246,71 @@ def _config(k: _Loaded, pdl: bool):
             attrs.append(c)
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)
-        cache[ck] = cfg
-    return cfg
+        return cfg
+
+    def pack(self, args: dict) -> None:
+        """Fill the parameter buffer from args (parameter name -> Python int or float)."""
+        if len(args) != len(self.names):
+            check_params(self.entry, list(args))
+        try:
+            self._struct.pack_into(self._buf, 0, *self._values(args))
+        except KeyError:
+            check_params(self.entry, list(args))
+            raise
+        except struct.error:  # a value outside its C type: the ops' checks should have caught it first
+            for p in self.entry.params:
+                try:
+                    struct.pack("<" + _FORMAT[p.type], args[p.name])
+                except struct.error as e:
+                    raise ValueError(f"{self.entry.name}: {p.name} = {args[p.name]!r} does not fit the "
+                                     f"kernel's {p.type} parameter ({e})") from None  # fmt: skip
+            raise
+
+    def launch(self, grid_x: int, stream: int, pdl: bool) -> None:
+        """Launch with the packed parameters on the raw stream handle `stream`."""
+        cfg = self._cfgs[pdl]
+        if self._grid[pdl] != grid_x:
+            cfg.gridDimX = self._grid[pdl] = grid_x
+        if self._stream[pdl] != stream:
+            cfg.hStream = cu.CUstream(stream)
+            self._stream[pdl] = stream
+        err = cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
+        if err != _SUCCESS:
+            # A thread that never used this device through the driver (or last used another one) lacks its
+            # context: make the module's context current and try once more.
+            cur = cu.cuCtxGetCurrent()[1]
+            if cur is None or int(cur) != int(self.ctx):
+                _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+                err = cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
+            _check((err,), f"launch {self.entry.entry}")
 
 
-def launch(k: _Loaded, grid_symbols: dict[str, int], args: list, stream: torch.cuda.Stream) -> None:
-    e = k.entry
-    grid = [g if isinstance(g, int) else grid_symbols[g] for g in e.grid]
-    cfg = _config(k, _pdl_enabled)
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
-    cfg.hStream = cu.CUstream(stream.cuda_stream)
-    vals = [t(v) for t, v in zip(k.ctypes, args, strict=True)]
-    argv = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-    # The driver API launches in the calling thread's current context, which a thread that never touched
-    # the driver (or last used another device) does not have: make the module's context current.
-    cur = _check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if cur is None or int(cur) != k.ctx_id:
-        _check(cu.cuCtxSetCurrent(k.ctx), "cuCtxSetCurrent")
-    _check(cu.cuLaunchKernelEx(cfg, k.function, ctypes.addressof(argv), 0), f"launch {e.entry}")
+def launcher(dev: int, kind: str, key: tuple, spec_of) -> Launcher:
+    """The calling thread's launcher for (dev, kind, key): one dictionary hit once built. spec_of() gives
+    the spec dict (or a list of them, in order of preference) to look up in the manifest on the first call."""
+    cache = getattr(_tls, "launchers", None)
+    if cache is None or _tls.generation != _generation:
+        cache = _tls.launchers = {}
+        _tls.generation = _generation
+    lk = (dev, kind, key)
+    got = cache.get(lk)
+    if got is None:
+        got = cache[lk] = _build(dev, kind, spec_of())
+    return got
+
+
+def first_entry(bundle: Bundle, cc: tuple[int, int], kind: str, specs) -> KernelEntry:
+    """select_entry for the first of specs (a dict, or a list in order of preference) the bundle has."""
+    specs = specs if isinstance(specs, list) else [specs]
+    for spec in specs[:-1]:
+        with contextlib.suppress(LookupError):
+            return select_entry(bundle, cc, kind, spec)
+    return select_entry(bundle, cc, kind, specs[-1])
+
+
+def _build(dev: int, kind: str, specs) -> Launcher:
+    bundle = current_bundle()
+    entry = first_entry(bundle, torch.cuda.get_device_capability(dev), kind, specs)
+    with _lock:
+        module, fn, ctx = _load_module(dev, entry, bundle)
+    return Launcher(dev, entry, fn, ctx)

@@ -1,11 +1,12 @@
 """Loader checks that need no GPU."""
 
+import functools
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs_dsl
 
 
 def test_loader_imports_neither_dsl_nor_builder():
@@ -83,3 +84,156 @@ def test_param_offsets_natural_alignment():
         "k",
     )
     assert e.param_offsets() == [(0, 8), (8, 4), (16, 8), (24, 4), (28, 4), (32, 8)]
+
+
+# ----------------------------------------------------------------------------- the kernel ABI, by name
+def _default_bundle_entries():
+    """Manifest entries (sm_90a) for every specialization of configs/flint.yaml, with each kernel's parameter
+    list read from its @cute.kernel signature, as the build records it (no compile needed)."""
+    import importlib
+
+    from flint_aot.config import expand, load_config
+    from flint_aot.kernels import MODULES
+    from flint_aot.kernels.compile import kernel_params
+    from loader.manifest import KernelEntry, Param
+
+    out = []
+    for s in expand(load_config(ROOT / "configs" / "flint.yaml")):
+        if s.arch != "sm_90a":
+            continue
+        params = kernel_params(importlib.import_module(MODULES[s.kind]).kernel(s.spec))
+        out.append(KernelEntry(s.kind, s.name, s.spec, s.arch, f"{s.name}.cubin", 1, "0" * 64, s.name,
+                               (128, 1, 1), (1, 1, 1), 0, ("M", 1, 1),
+                               tuple(Param(n, t) for n, t in params), "k"))  # fmt: skip
+    return out
+
+
+class _DryRun:
+    """Runs the loader's ops on CPU tensors up to the launch: devices are faked as cuda:0, and the launcher
+    records which manifest entry it would launch and checks the arguments the op fills against its
+    parameter names (loader.runtime.check_params, as the real launcher does)."""
+
+    def __init__(self, monkeypatch, entries):
+        import torch
+
+        from loader import ops, runtime
+        from loader.bundle import Bundle
+        from loader.manifest import Manifest
+
+        self.bundle = Bundle(ROOT, Manifest("flint-aot test", "4.8.1", {}, list(entries)))
+        self.launched = []
+        dry = self
+
+        class FakeLauncher:
+            def __init__(self, entry):
+                self.entry = entry
+
+            def pack(self, args):
+                runtime.check_params(self.entry, list(args))
+                assert len(args) == len(self.entry.params), sorted(args)
+                self.args = dict(args)
+
+            def launch(self, grid_x, stream, pdl):
+                dry.launched.append((self.entry, self.args, grid_x))
+
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+        monkeypatch.setattr(ops, "_raw_stream", lambda dev: 0)
+        monkeypatch.setitem(ops._NO_ROPE, 0, torch.zeros(1, 128))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        monkeypatch.setattr(ops, "_launcher", lambda dev, kind, key, spec_of: FakeLauncher(
+            runtime.first_entry(self.bundle, (9, 0), kind, spec_of())))  # fmt: skip
+
+
+@functools.lru_cache
+def _weight(n, fmt):
+    import torch
+
+    from loader import nvfp4
+
+    w = (torch.randn(n, 2048) * 0.02).bfloat16()
+    return nvfp4.quantize(w) if fmt == "nvfp4" else (w, None, None)
+
+
+def _qkv_inputs(m, nq, nkv, fmt, rope, kv):
+    import torch
+
+    from loader.reference import make_cos_sin_cache
+
+    w, ws, gs = _weight((nq + 2 * nkv) * 128, fmt)
+    cdt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+    kvc = torch.zeros(4, 2, 16, nkv, 128, dtype=cdt)
+    c = dict(x=torch.randn(m, 2048).bfloat16(), residual=torch.randn(m, 2048).bfloat16(),
+             norm_weight=torch.ones(2048).bfloat16(), eps=1e-6, weight=w, weight_scale=ws, global_scale=gs,
+             q_norm_weight=torch.ones(128).bfloat16(), k_norm_weight=torch.ones(128).bfloat16(), qk_eps=1e-6,
+             cos_sin_cache=make_cos_sin_cache(64) if rope else None, positions=torch.arange(m),
+             k_cache=kvc[:, 0], v_cache=kvc[:, 1], slot_mapping=torch.arange(m), num_q_heads=nq,
+             num_kv_heads=nkv)  # fmt: skip
+    if kv != "bf16":
+        c.update(k_scale=torch.full((1,), 0.5), v_scale=torch.full((1,), 0.25))
+    return c
+
+
+@needs_dsl
+def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
+    """For every op and every entry of the default bundle, the names the op fills are exactly the kernel's
+    parameters (written once, in the kernel's signature), and the op launches the entry it should."""
+    import torch
+
+    import loader
+
+    entries = _default_bundle_entries()
+    for with_prologue in (True, False):
+        dry = _DryRun(monkeypatch, [e for e in entries if with_prologue or e.spec.get("norm") != "prologue"])
+        for e in entries:
+            dry.launched.clear()
+            s = e.spec
+            if e.kind == "qkv":
+                if s["norm"] == "prologue" and not with_prologue:
+                    continue
+                nq, nkv = s["heads"]
+                c = _qkv_inputs(3, nq, nkv, s["weight_format"], s["rope"], s["kv_cache_dtype"])
+                q, r = loader.flint_qkv_fused(**c)
+                kinds = [x.kind for x, _, _ in dry.launched]
+                assert kinds == (["qkv"] if with_prologue else ["norm", "qkv"]), kinds
+                got = dry.launched[-1][0]
+                assert got.spec == dict(s, norm="prologue" if with_prologue else "separate")
+                assert q.shape == (3, nq * 128) and r.shape == (3, 2048)
+            elif e.kind == "norm":
+                x, w = torch.randn(2, 2048).bfloat16(), torch.ones(2048).bfloat16()
+                if s["residual"]:
+                    loader.fused_add_rms_norm(x, x.clone(), w, 1e-6)
+                else:
+                    loader.rms_norm(x, w, 1e-6)
+                assert [x.name for x, _, _ in dry.launched] == [e.name]
+            elif e.kind == "gemv":
+                c = _qkv_inputs(2, 8, 1, s["weight_format"], True, "bf16")
+                y = loader.gemv(c["x"], c["weight"], c["weight_scale"], c["global_scale"])
+                assert [x.name for x, _, _ in dry.launched] == [e.name] and y.shape == (2, 1280)
+            else:
+                c = _qkv_inputs(2, 8, 1, "bf16", s["rope"], s["kv_cache_dtype"])
+                keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache",
+                        "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads", "k_scale", "v_scale")  # fmt: skip
+                loader.qk_norm_rope_cache(torch.randn(2, 1280).bfloat16(), **{k: c[k] for k in keys if k in c})
+                assert [x.name for x, _, _ in dry.launched] == [e.name]
+
+
+@needs_dsl
+def test_a_manifest_with_renamed_parameters_is_refused(monkeypatch):
+    import dataclasses
+
+    import loader
+    from loader.bundle import BundleError
+    from loader.manifest import Param
+
+    entries = _default_bundle_entries()
+    renamed = []
+    for e in entries:
+        if e.kind == "qkv":
+            ps = tuple(Param("stride_blk" if p.name == "stride_block" else p.name, p.type) for p in e.params)
+            e = dataclasses.replace(e, params=ps)
+        renamed.append(e)
+    dry = _DryRun(monkeypatch, renamed)
+    c = _qkv_inputs(2, 32, 4, "bf16", True, "bf16")
+    with pytest.raises(BundleError, match="stride_blk.*different flint-aot versions"):
+        loader.flint_qkv_fused(**c)
+    assert not dry.launched

@@ -1,0 +1,181 @@
+"""Host cost of eager calls: microseconds of CPU time per call, back-to-back, beside torch ops measured in the
+same run (BENCHMARKS.md "Host cost per call").
+
+    PYTHONPATH=. python3 benchmarks/bench_host.py [--bundle build/flint] [--calls 3000] [--out host.md]
+
+Each row: best of 5 loops of --calls back-to-back calls (synchronized before and after each loop), divided by
+the number of calls. The calls are host-bound (their GPU work is a few µs), so this is the time the Python
+path costs. The first call of the process (cubin loads) is reported apart. The fused op is measured with the
+design the loader picks (prologue when the bundle has it) and with the two-kernel design (a copy of the bundle
+without the prologue builds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import loader
+from loader import nvfp4
+from loader.reference import make_cos_sin_cache
+
+K, D = 2048, 128
+
+
+def per_call(fn, calls: int, loops: int = 5) -> float:
+    best = float("inf")
+    for _ in range(loops):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best * 1e6
+
+
+def case(m: int, nq: int, nkv: int, fmt: str, kv: str, g):
+    n = (nq + 2 * nkv) * D
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    w = (r(n, K) * 0.03).bfloat16()
+    ws = gs = None
+    if fmt == "nvfp4":
+        w, ws, gs = nvfp4.quantize(w)
+    cdt = torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn
+    c = dict(
+        x=r(m, K).bfloat16(), residual=r(m, K).bfloat16(), norm_weight=(1 + 0.1 * r(K)).bfloat16(), eps=1e-6,
+        weight=w, weight_scale=ws, global_scale=gs, q_norm_weight=r(D).bfloat16(), k_norm_weight=r(D).bfloat16(),
+        qk_eps=1e-6, cos_sin_cache=make_cos_sin_cache(4096, device="cuda"),
+        positions=torch.arange(m, device="cuda") + 100, k_cache=torch.zeros(64, 16, nkv, D, device="cuda", dtype=cdt),
+        slot_mapping=torch.arange(m, device="cuda") + 7, num_q_heads=nq, num_kv_heads=nkv,
+    )  # fmt: skip
+    c["v_cache"] = torch.zeros_like(c["k_cache"])
+    if kv != "bf16":
+        c["k_scale"] = torch.full((1,), 0.05, device="cuda")
+        c["v_scale"] = torch.full((1,), 0.05, device="cuda")
+    return c
+
+
+def torch_eager_op(c, w_dense):
+    """The op written in eager torch: add, 3 RMSNorms, a matmul, 2 index_copy_ (the peer a user would write)."""
+    nq, nkv = c["num_q_heads"], c["num_kv_heads"]
+    r = c["x"] + c["residual"]
+    xn = torch.nn.functional.rms_norm(r, (K,), c["norm_weight"], 1e-6)
+    qkv = torch.matmul(xn, w_dense.t())
+    q, k, v = qkv.split([nq * D, nkv * D, nkv * D], dim=-1)
+    q = torch.nn.functional.rms_norm(q.view(-1, nq, D), (D,), c["q_norm_weight"], 1e-6)
+    k = torch.nn.functional.rms_norm(k.view(-1, nkv, D), (D,), c["k_norm_weight"], 1e-6)
+    kc, vc = c["k_cache"].view(-1, nkv, D), c["v_cache"].view(-1, nkv, D)
+    kc.index_copy_(0, c["slot_mapping"], k.to(kc.dtype))
+    vc.index_copy_(0, c["slot_mapping"], v.view(-1, nkv, D).to(vc.dtype))
+    return q, r
+
+
+def without_prologue(bundle: Path, tmp: Path) -> Path:
+    """A copy of the bundle without the prologue qkv builds: the loader then runs the two-kernel design."""
+    d = tmp / "separate"
+    d.mkdir()
+    man = json.loads((bundle / "manifest.json").read_text())
+    man["kernels"] = [e for e in man["kernels"] if e["spec"].get("norm") != "prologue"]
+    for e in man["kernels"]:
+        shutil.copy2(bundle / e["file"], d / e["file"])
+    (d / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True) + "\n")
+    return d
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default=os.environ.get("FLINT_AOT_BUNDLE", "build/flint"))
+    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--out", default=None, help="also write the table (markdown) here")
+    a = ap.parse_args()
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 2:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[2]})  # one core: steadier numbers
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    loader.load_bundle(a.bundle)
+    has_prologue = any(e.spec.get("norm") == "prologue" for e in loader.current_bundle().manifest.kernels)
+
+    # first call of the process: module load (sha256 + ELF check + cuModuleLoadData) included
+    c = case(1, 32, 4, "bf16", "bf16", g)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loader.flint_qkv_fused(**c)
+    torch.cuda.synchronize()
+    first = (time.perf_counter() - t0) * 1e6
+    t0 = time.perf_counter()
+    loader.flint_qkv_fused(**c)
+    torch.cuda.synchronize()
+    second = (time.perf_counter() - t0) * 1e6
+    print(f"first flint_qkv_fused call of the process: {first:.0f} µs (cubin load), second: {second:.0f} µs")
+
+    a_ = torch.randn(1, K, device="cuda").bfloat16()
+    rows.append(("torch.add(a, a)", "", per_call(lambda: torch.add(a_, a_), a.calls)))
+    for m in (1, 8):
+        c = case(m, 32, 4, "bf16", "bf16", g)
+        w_dense = c["weight"]
+        x, res, nw = c["x"], c["residual"], c["norm_weight"]
+        rows.append(
+            (f"torch.matmul(x, W.t()) M={m}", "", per_call(lambda: torch.matmul(x, w_dense.t()), a.calls))
+        )
+        rows.append((f"op in eager torch M={m}", "", per_call(lambda: torch_eager_op(c, w_dense), a.calls)))
+        rows.append((f"loader.rms_norm M={m}", "", per_call(lambda: loader.rms_norm(x, nw, 1e-6), a.calls)))
+        rows.append((f"loader.fused_add_rms_norm M={m}", "",
+                     per_call(lambda: loader.fused_add_rms_norm(x, res, nw, 1e-6), a.calls)))  # fmt: skip
+        rows.append((f"torch.ops.flint.fused_add_rms_norm M={m}", "",
+                     per_call(lambda: torch.ops.flint.fused_add_rms_norm(x, res, nw, 1e-6), a.calls)))  # fmt: skip
+        for fmt in ("bf16", "nvfp4"):
+            c = case(m, 32, 4, fmt, "bf16", g)
+            w, ws, gs = c["weight"], c["weight_scale"], c["global_scale"]
+            rows.append(
+                (f"loader.gemv {fmt} M={m}", "", per_call(lambda: loader.gemv(x, w, ws, gs), a.calls))
+            )
+            rows.append((f"torch.ops.flint.gemv {fmt} M={m}", "",
+                         per_call(lambda: torch.ops.flint.gemv(x, w, ws, gs), a.calls)))  # fmt: skip
+            for kv in ("bf16", "fp8_e4m3"):
+                c = case(m, 32, 4, fmt, kv, g)
+                design = "prologue" if has_prologue else "separate"
+                rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache {kv}", design,
+                             per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
+                if kv == "bf16":
+                    rows.append((f"torch.ops.flint.qkv_fused {fmt} M={m} cache {kv}", design,
+                                 per_call(lambda: torch.ops.flint.qkv_fused(**c), a.calls)))  # fmt: skip
+        for kv in ("bf16", "fp8_e4m3"):
+            c = case(m, 32, 4, "bf16", kv, g)
+            qkv = torch.randn(m, (32 + 8) * D, device="cuda").bfloat16()
+            qa = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions",
+                                    "k_cache", "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads")}  # fmt: skip
+            qa.update({k: c[k] for k in ("k_scale", "v_scale") if k in c})
+            rows.append((f"loader.qk_norm_rope_cache M={m} cache {kv}", "",
+                         per_call(lambda: loader.qk_norm_rope_cache(qkv, **qa), a.calls)))  # fmt: skip
+            if kv == "bf16":
+                rows.append((f"torch.ops.flint.qk_norm_rope_cache M={m} cache {kv}", "",
+                             per_call(lambda: torch.ops.flint.qk_norm_rope_cache(qkv, **qa), a.calls)))  # fmt: skip
+    if has_prologue:
+        with tempfile.TemporaryDirectory() as tmp:
+            loader.load_bundle(without_prologue(Path(a.bundle), Path(tmp)))
+            for m in (1, 8):
+                for fmt in ("bf16", "nvfp4"):
+                    c = case(m, 32, 4, fmt, "bf16", g)
+                    rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache bf16", "separate",
+                                 per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
+            torch.cuda.synchronize()
+        loader.load_bundle(a.bundle)
+    lines = ["| call | design | host µs per call |", "|---|---|---|"]
+    lines += [f"| `{name}` | {design} | {us:.1f} |" for name, design, us in rows]
+    table = "\n".join(lines)
+    print(f"\nfirst call of the process (cubin load included): {first:.0f} µs\n")
+    print(table)
+    if a.out:
+        Path(a.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
