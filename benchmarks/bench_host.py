@@ -6,17 +6,14 @@ same run (BENCHMARKS.md "Host cost per call").
 Each row: best of 5 loops of --calls back-to-back calls (synchronized before and after each loop), divided by
 the number of calls. The calls are host-bound (their GPU work is a few µs), so this is the time the Python
 path costs. The first call of the process (cubin loads) is reported apart. The fused op is measured with the
-design the loader picks (prologue when the bundle has it) and with the two-kernel design (a copy of the bundle
-without the prologue builds).
+design the loader picks (prologue when the bundle has it) and with the two-kernel design
+(launch_options(design="separate")).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -76,18 +73,6 @@ def torch_eager_op(c, w_dense):
     kc.index_copy_(0, c["slot_mapping"], k.to(kc.dtype))
     vc.index_copy_(0, c["slot_mapping"], v.view(-1, nkv, D).to(vc.dtype))
     return q, r
-
-
-def without_prologue(bundle: Path, tmp: Path) -> Path:
-    """A copy of the bundle without the prologue qkv builds: the loader then runs the two-kernel design."""
-    d = tmp / "separate"
-    d.mkdir()
-    man = json.loads((bundle / "manifest.json").read_text())
-    man["kernels"] = [e for e in man["kernels"] if e["spec"].get("norm") != "prologue"]
-    for e in man["kernels"]:
-        shutil.copy2(bundle / e["file"], d / e["file"])
-    (d / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True) + "\n")
-    return d
 
 
 def main():
@@ -159,15 +144,12 @@ def main():
                 rows.append((f"torch.ops.flint.qk_norm_rope_cache M={m} cache {kv}", "",
                              per_call(lambda: torch.ops.flint.qk_norm_rope_cache(qkv, **qa), a.calls)))  # fmt: skip
     if has_prologue:
-        with tempfile.TemporaryDirectory() as tmp:
-            loader.load_bundle(without_prologue(Path(a.bundle), Path(tmp)))
+        with loader.launch_options(design="separate"):
             for m in (1, 8):
                 for fmt in ("bf16", "nvfp4"):
                     c = case(m, 32, 4, fmt, "bf16", g)
                     rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache bf16", "separate",
                                  per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
-            torch.cuda.synchronize()
-        loader.load_bundle(a.bundle)
     lines = ["| call | design | host µs per call |", "|---|---|---|"]
     lines += [f"| `{name}` | {design} | {us:.1f} |" for name, design, us in rows]
     table = "\n".join(lines)

@@ -6,16 +6,12 @@ distinct weights (L2 defeated), beside cuBLAS's GEMV alone and the device copy b
     PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--heads 32x4 ...] [--m 1 ...]
         [--fmt bf16 nvfp4] [--bundle build/flint] [--compare BUNDLE ...]
 
-The two-kernel rows run a copy of the bundle without its prologue builds (the loader picks the prologue design
-whenever the bundle has it). --compare adds, per row, the fused op from other bundles (A/B of kernel versions
+Both designs are chosen with loader.launch_options(design=...). --compare adds, per row, the fused op from other bundles (A/B of kernel versions
 in one run; each bundle needs the variants benchmarked).
 """
 
 import argparse
-import json
-import shutil
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
@@ -83,18 +79,6 @@ def make_weights(fmt, n, layers):
     return out
 
 
-def without_prologue(bundle: Path, out: Path) -> Path:
-    """A copy of the bundle without the prologue qkv builds, in out: the loader then runs the two-kernel design
-    (norm kernel + qkv kernel). Used to measure both designs side by side."""
-    out.mkdir(parents=True, exist_ok=True)
-    man = json.loads((bundle / "manifest.json").read_text())
-    man["kernels"] = [e for e in man["kernels"] if e["spec"].get("norm") != "prologue"]
-    for e in man["kernels"]:
-        shutil.copy2(bundle / e["file"], out / e["file"])
-    (out / "manifest.json").write_text(json.dumps(man, indent=1, sort_keys=True) + "\n")
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -106,8 +90,7 @@ def main():
     args = ap.parse_args()
     heads = HEADS if not args.heads else [tuple(int(v) for v in h.split("x")) for h in args.heads]
     main_bundle = Path(args.bundle).resolve()
-    tmp = Path(tempfile.mkdtemp(prefix="flint-bench-"))
-    separate = without_prologue(main_bundle, tmp / "separate")
+    loader.load_bundle(main_bundle)
     ab = []
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -165,14 +148,14 @@ def main():
                     for i in range(layers):
                         torch.matmul(x, ws[i][0].t(), out=out)
 
-                loader.load_bundle(main_bundle)
-                t_pro = median_graph_us(fused, layers)
-                t_fp8 = median_graph_us(lambda: fused("fp8"), layers)
-                with loader.launch_options(pdl=False):
+                with loader.launch_options(design="prologue"):
+                    t_pro = median_graph_us(fused, layers)
+                    t_fp8 = median_graph_us(lambda: fused("fp8"), layers)
+                with loader.launch_options(design="prologue", pdl=False):
                     t_nopdl = median_graph_us(fused, layers)
-                loader.load_bundle(separate)
-                t_sep = median_graph_us(fused, layers)
-                t_sep_fp8 = median_graph_us(lambda: fused("fp8"), layers)
+                with loader.launch_options(design="separate"):
+                    t_sep = median_graph_us(fused, layers)
+                    t_sep_fp8 = median_graph_us(lambda: fused("fp8"), layers)
                 if fmt == "bf16":
                     cublas_us[(nq, nkv, m)] = median_graph_us(cublas, layers)
                 t_cublas = cublas_us.get((nq, nkv, m), float("nan"))
@@ -183,6 +166,8 @@ def main():
                         print(ab[-1], flush=True)
                     except LookupError as e:  # this bundle lacks the variant
                         print(f"skip {path}: {e}", flush=True)
+                    finally:
+                        loader.load_bundle(main_bundle)
                 best = min(t_pro, t_sep)
                 limit = wbytes / bw * 1e6
                 rows.append((f"({nq},{nkv})", fmt, m, layers, wbytes / 1e6, t_pro, t_sep, t_fp8, t_sep_fp8, t_nopdl,
@@ -190,8 +175,6 @@ def main():
                 print(rows[-1], flush=True)
             ws = caches = None  # free before the next shape
             torch.cuda.empty_cache()
-    loader.load_bundle(main_bundle)
-    shutil.rmtree(tmp, ignore_errors=True)
     head = (
         f"copy bandwidth (read+write, 4 GiB device copy, graph, median): {bw / 1e12:.2f} TB/s\n\n"
         "| heads | weights | M | layers | weight MB | prologue µs/layer | two-kernel µs/layer | prologue, FP8 cache | "

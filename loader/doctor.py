@@ -1,9 +1,15 @@
-"""`flint-aot doctor`: run every variant of a bundle once on the GPU, on random inputs, against the torch
-reference (float64), and report. What an operator runs after deploying a serving container. Needs torch,
-cuda-bindings and a GPU; not the DSL."""
+"""The self-check a serving image runs after deployment (docs/bundle.md §7): every variant of a bundle, once,
+on this GPU, on random inputs, against the float64 torch reference; exit status 1 if any fails.
+
+    python -m loader.doctor [BUNDLE] [-m M]        (`flint-aot doctor` runs the same code)
+
+Needs torch, cuda-bindings and a GPU; not the DSL, not the build package.
+"""
 
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from dataclasses import dataclass
 
@@ -13,7 +19,8 @@ from loader import nvfp4
 from loader import reference as ref
 
 K, D = 2048, 128
-TOL = 1e-2  # SPEC §3: relative Frobenius error of q, k, v
+TOL = 1e-2  # docs/numerics.md §6: relative Frobenius error of q, k, v
+FP8_TOL = 5e-2  # an e4m3 cache: 3 mantissa bits, RMS rounding error ~3 % of the value
 
 
 @dataclass
@@ -60,7 +67,8 @@ def _check_norm(e, m, g):
     return _rel(xn, ref.rms_norm_ref(x, None, w, 1e-6)[0]), ms
 
 
-def _qk_case(m, nq, nkv, rope, g):
+def _qk_case(m, nq, nkv, rope, kv, g):
+    """Inputs of the per-head stage; caches poisoned with NaN (bf16 NaN, or the e4m3 NaN byte 0x7f)."""
     nb, bs = 8, 16
     c = dict(
         q_norm_weight=(1 + 0.3 * torch.randn(D, device="cuda", generator=g)).bfloat16(),
@@ -68,21 +76,30 @@ def _qk_case(m, nq, nkv, rope, g):
         qk_eps=1e-6,
         cos_sin_cache=ref.make_cos_sin_cache(4096, device="cuda") if rope else None,
         positions=torch.randint(0, 4096, (m,), device="cuda", generator=g),
-        k_cache=torch.full((nb, bs, nkv, D), float("nan"), dtype=torch.bfloat16, device="cuda"),
         slot_mapping=torch.randperm(nb * bs, device="cuda", generator=g)[:m],
     )
-    c["v_cache"] = torch.full_like(c["k_cache"], float("nan"))
+    if kv == "bf16":
+        c["k_cache"] = torch.full((nb, bs, nkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    else:  # per-tensor scales that put the values well inside e4m3's range
+        c["k_cache"] = torch.full((nb, bs, nkv, D), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        c["k_scale"] = torch.tensor([0.02], device="cuda")
+        c["v_scale"] = torch.tensor([0.005], device="cuda")
+    c["v_cache"] = c["k_cache"].clone()
     return c
 
 
 def _cache_err(c, k, v, kb, vb):
-    ek, ev = ref.expected_cache(kb, vb, k, v, c["slot_mapping"])
+    """Relative error of the written slots against the reference (an FP8 cache: its dequantized values
+    against the unquantized reference, whose e4m3 rounding alone is a few percent: see FP8_TOL); inf when
+    the set of written elements is wrong."""
     err = 0.0
-    for got, exp in ((c["k_cache"], ek), (c["v_cache"], ev)):
-        if not torch.equal(got.isnan(), exp.isnan()):
+    for got, before, want, scale in ((c["k_cache"], kb, k, c.get("k_scale")), (c["v_cache"], vb, v, c.get("v_scale"))):
+        exp = ref.expected_cache(before.float(), before.float(), want, want, c["slot_mapping"])[0]
+        g = got.float() * (1.0 if scale is None else scale.item())
+        if not torch.equal(g.isnan(), exp.isnan()):
             return float("inf")
         w = ~exp.isnan()
-        err = max(err, _rel(got[w], exp[w]))
+        err = max(err, _rel(g[w], exp[w]))
     return err
 
 
@@ -95,10 +112,11 @@ def _check_qkv(e, m, g):
     r = torch.randn(m, K, device="cuda", generator=g).bfloat16()
     nw = (1 + 0.3 * torch.randn(K, device="cuda", generator=g)).bfloat16()
     (w, ws, gs), dense = _weights(e.spec["weight_format"], n, g)
-    c = _qk_case(m, nq, nkv, e.spec["rope"], g)
+    c = _qk_case(m, nq, nkv, e.spec["rope"], e.spec["kv_cache_dtype"], g)
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
-    (q, ro), ms = _timed(lambda: loader.flint_qkv_fused(x, r, nw, 1e-6, w, ws, gs, num_q_heads=nq,
-                                                        num_kv_heads=nkv, **c))  # fmt: skip
+    with loader.launch_options(design=e.spec["norm"]):
+        (q, ro), ms = _timed(lambda: loader.flint_qkv_fused(x, r, nw, 1e-6, w, ws, gs, num_q_heads=nq,
+                                                            num_kv_heads=nkv, **c))  # fmt: skip
     exp = ref.qkv_fused_ref(x, r, nw, 1e-6, dense, c["q_norm_weight"], c["k_norm_weight"], 1e-6,
                             c["cos_sin_cache"], c["positions"], nq, nkv)  # fmt: skip
     if q.isnan().any():
@@ -122,7 +140,7 @@ def _check_qk(e, m, g):
 
     nq, nkv = 8, 2
     qkv = (torch.randn(m, (nq + 2 * nkv) * D, device="cuda", generator=g) * 3).bfloat16()
-    c = _qk_case(m, nq, nkv, e.spec["rope"], g)
+    c = _qk_case(m, nq, nkv, e.spec["rope"], e.spec["kv_cache_dtype"], g)
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     q, ms = _timed(lambda: loader.qk_norm_rope_cache(qkv, num_q_heads=nq, num_kv_heads=nkv, **c))
     eq, ek, ev = ref.qk_norm_rope_ref(qkv, c["q_norm_weight"], c["k_norm_weight"], 1e-6, c["cos_sin_cache"],
@@ -157,7 +175,40 @@ def run(bundle_path=None, m: int = 3, seed: int = 0) -> list[Result]:
             continue
         try:
             err, ms = check(e, m, g)
-            out.append(Result(e.name, err, err < TOL, ms))
+            tol = FP8_TOL if e.spec.get("kv_cache_dtype") == "fp8_e4m3" else TOL
+            out.append(Result(e.name, err, err < tol, ms))
         except Exception as ex:  # report every failure, keep checking the others
             out.append(Result(e.name, float("nan"), False, 0.0, f"{type(ex).__name__}: {ex}"[:200]))
     return out
+
+
+def report(results: list[Result]) -> str:
+    """The table `python -m loader.doctor` and `flint-aot doctor` print."""
+    rows = [["variant", "max rel err", "result", "ms (first call)", "note"]]
+    rows += [[r.variant, f"{r.max_err:.2e}", "pass" if r.ok else "FAIL", f"{r.ms:.2f}", r.note] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    bad = sum(not r.ok for r in results)
+    lines.append(f"{len(results) - bad} of {len(results)} variants pass (tolerance {TOL:g}, FP8 caches {FP8_TOL:g})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loader.doctor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("bundle", nargs="?", default=None,
+                    help="bundle directory (default: as the loader finds it: $FLINT_AOT_BUNDLE, the packed bundle, "
+                         "build/flint)")  # fmt: skip
+    ap.add_argument("-m", dest="tokens", type=int, default=3, choices=range(1, 9), metavar="M", help="tokens (1..8)")
+    a = ap.parse_args(argv)
+    try:
+        results = run(a.bundle, m=a.tokens)
+    except Exception as e:  # no GPU, no bundle, no cubins for this GPU: one line, exit 1
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(report(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -348,8 +348,9 @@ def flint_qkv_fused(
     eargs, rope, kv = _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
                                 k_cache, v_cache, slot_mapping, k_scale, v_scale, opts.bounds_check)  # fmt: skip
     # one kernel per layer when the bundle has the prologue design, else the norm kernel + the qkv kernel
-    k = _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv), lambda: [
-        abi.qkv_spec(fmt, rope, nq, nkv, kv, norm) for norm in abi.NORM_MODES[::-1]])  # fmt: skip
+    designs = (opts.design,) if opts.design else ("prologue", "separate")
+    k = _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, designs), lambda: [
+        abi.qkv_spec(fmt, rope, nq, nkv, kv, norm) for norm in designs])  # fmt: skip
     q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=x.device)
     stream, has_res = _raw_stream(dev), residual is not None
     if k.entry.spec["norm"] == "prologue":

@@ -153,8 +153,8 @@ def expected_cache(
     v3 = v.reshape(m, nkv, HEAD_DIM)
 
     def cast(val, cache, scale):
-        if cache.dtype == torch.bfloat16:
-            return val.to(torch.bfloat16)
+        if cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            return val.to(cache.dtype)  # bf16 (a BF16 cache), or float (no rounding)
         e = fp8_cache_value(val, scale)
         return e.view(torch.uint8) if cache.dtype == torch.uint8 else e
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver as cu
 
-from loader.abi import ARCH_CC
+from loader.abi import ARCH_CC, NORM_MODES
 from loader.bundle import Bundle, BundleError
 from loader.manifest import KernelEntry
 
@@ -49,26 +49,28 @@ def _check(result, what: str):
 # ----------------------------------------------------------------------------- launch options
 @dataclass(frozen=True)
 class LaunchOptions:
-    pdl: bool = True  # programmatic stream serialization: the kernel's weight stream overlaps its predecessor
-    bounds_check: bool = (
-        False  # checked mode: raise on positions / slots the kernels would skip (docs/api.md)
-    )
+    pdl: bool = True  # programmatic stream serialization: a kernel's weight stream overlaps its predecessor
+    bounds_check: bool = False  # checked mode: raise on positions / slots the kernels would skip
+    design: str | None = None  # flint_qkv_fused: "prologue" / "separate"; None: prologue when built
 
 
-_options: contextvars.ContextVar[LaunchOptions] = contextvars.ContextVar(
-    "flint_launch", default=LaunchOptions()
-)
+_options = contextvars.ContextVar("flint_launch", default=LaunchOptions())  # noqa: B039 (frozen)
 
 
 @contextlib.contextmanager
-def launch_options(*, pdl: bool | None = None, bounds_check: bool | None = None):
-    """Scope launch settings to the code inside the `with` block, in this thread (or asyncio task) only:
-    `pdl=False` launches without the PDL attribute (A/B measurements); `bounds_check=True` is checked mode
-    (positions outside the cos/sin table, slots outside the cache and duplicate slots raise ValueError; one
-    device-to-host copy per call; not usable inside CUDA-graph capture)."""
+def launch_options(*, pdl: bool | None = None, bounds_check: bool | None = None, design: str | None = None):
+    """Scope launch settings to the code inside the `with` block, in this thread (or asyncio task) only
+    (docs/api.md §9): `pdl=False` launches without the PDL attribute (A/B measurements); `bounds_check=True`
+    is checked mode (positions outside the cos/sin table, slots outside the cache and duplicate slots raise
+    ValueError; one device-to-host copy per call; not usable inside CUDA-graph capture); `design="separate"`
+    or `"prologue"` makes flint_qkv_fused use that design (LookupError if the bundle lacks it) instead of
+    the prologue design whenever the bundle has it."""
+    if design not in (None, *NORM_MODES):
+        raise ValueError(f"design must be one of {NORM_MODES} or None, got {design!r}")
     cur = _options.get()
-    token = _options.set(LaunchOptions(cur.pdl if pdl is None else bool(pdl),
-                                       cur.bounds_check if bounds_check is None else bool(bounds_check)))  # fmt: skip
+    pdl = cur.pdl if pdl is None else bool(pdl)
+    checked = cur.bounds_check if bounds_check is None else bool(bounds_check)
+    token = _options.set(LaunchOptions(pdl, checked, design or cur.design))
     try:
         yield
     finally:
