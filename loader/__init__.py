@@ -1,7 +1,7 @@
 """flint-aot's serve-time loader (docs/api.md): loads a bundle's cubins and launches them from torch.
 
-Needs only torch and cuda-bindings; never imports the DSL or the build-time package. Importing it registers the
-`torch.ops.flint.*` custom ops. (The build tool imports only the stdlib modules `loader.abi` and
+Needs only torch and cuda-bindings; never imports the DSL or the build-time package. Importing it registers
+the `torch.ops.flint.*` custom ops. (The build tool imports only the stdlib modules `loader.abi` and
 `loader.manifest`; in a process that has imported `flint_aot`, the torch side is imported on first use.)
 """
 

@@ -81,7 +81,8 @@ def _qk_case(m, nq, nkv, rope, kv, g):
     if kv == "bf16":
         c["k_cache"] = torch.full((nb, bs, nkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
     else:  # per-tensor scales that put the values well inside e4m3's range
-        c["k_cache"] = torch.full((nb, bs, nkv, D), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+        nan = torch.full((nb, bs, nkv, D), 0x7F, dtype=torch.uint8, device="cuda")
+        c["k_cache"] = nan.view(torch.float8_e4m3fn)
         c["k_scale"] = torch.tensor([0.02], device="cuda")
         c["v_scale"] = torch.tensor([0.005], device="cuda")
     c["v_cache"] = c["k_cache"].clone()
@@ -93,7 +94,8 @@ def _cache_err(c, k, v, kb, vb):
     against the unquantized reference, whose e4m3 rounding alone is a few percent: see FP8_TOL); inf when
     the set of written elements is wrong."""
     err = 0.0
-    for got, before, want, scale in ((c["k_cache"], kb, k, c.get("k_scale")), (c["v_cache"], vb, v, c.get("v_scale"))):
+    for name, before, want in (("k", kb, k), ("v", vb, v)):
+        got, scale = c[f"{name}_cache"], c.get(f"{name}_scale")
         exp = ref.expected_cache(before.float(), before.float(), want, want, c["slot_mapping"])[0]
         g = got.float() * (1.0 if scale is None else scale.item())
         if not torch.equal(g.isnan(), exp.isnan()):
@@ -185,21 +187,24 @@ def run(bundle_path=None, m: int = 3, seed: int = 0) -> list[Result]:
 def report(results: list[Result]) -> str:
     """The table `python -m loader.doctor` and `flint-aot doctor` print."""
     rows = [["variant", "max rel err", "result", "ms (first call)", "note"]]
-    rows += [[r.variant, f"{r.max_err:.2e}", "pass" if r.ok else "FAIL", f"{r.ms:.2f}", r.note] for r in results]
+    rows += [[r.variant, f"{r.max_err:.2e}", "pass" if r.ok else "FAIL", f"{r.ms:.2f}", r.note]
+             for r in results]  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     bad = sum(not r.ok for r in results)
-    lines.append(f"{len(results) - bad} of {len(results)} variants pass (tolerance {TOL:g}, FP8 caches {FP8_TOL:g})")
+    lines.append(f"{len(results) - bad} of {len(results)} variants pass (tolerance {TOL:g}, "
+                 f"FP8 caches {FP8_TOL:g})")  # fmt: skip
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loader.doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", nargs="?", default=None,
-                    help="bundle directory (default: as the loader finds it: $FLINT_AOT_BUNDLE, the packed bundle, "
-                         "build/flint)")  # fmt: skip
-    ap.add_argument("-m", dest="tokens", type=int, default=3, choices=range(1, 9), metavar="M", help="tokens (1..8)")
+                    help="bundle directory (default: as the loader finds it: $FLINT_AOT_BUNDLE, the packed "
+                         "bundle, build/flint)")  # fmt: skip
+    ap.add_argument("-m", dest="tokens", type=int, default=3, choices=range(1, 9), metavar="M",
+                    help="tokens (1..8)")  # fmt: skip
     a = ap.parse_args(argv)
     try:
         results = run(a.bundle, m=a.tokens)

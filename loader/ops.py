@@ -18,7 +18,9 @@ from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_M
 _BF16, _F32, _I64, _U8, _E4M3 = torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.float8_e4m3fn
 _I32_MAX = (1 << 31) - 1
 # torch's current stream of a device as a raw handle (0.1 µs; torch.cuda.current_stream costs ~5 µs)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda d: torch.cuda.current_stream(d).cuda_stream)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda d: torch.cuda.current_stream(d).cuda_stream
+)
 _compiling = torch.compiler.is_compiling
 _options = runtime.options
 _launcher = runtime.launcher
@@ -83,13 +85,15 @@ def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tupl
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     fmt = "bf16" if weight.dtype is _BF16 else "nvfp4" if weight.dtype is _U8 else None
     if fmt is None:
-        raise TypeError(f"weight must be bf16 [N, {HIDDEN}] or NVFP4 uint8 [N, {HIDDEN // 2}], got {weight.dtype}")
+        raise TypeError(f"weight must be bf16 [N, {HIDDEN}] or NVFP4 uint8 [N, {HIDDEN // 2}], "
+                        f"got {weight.dtype}")  # fmt: skip
     cols = HIDDEN if fmt == "bf16" else abi.NVFP4_ROW_BYTES
     if n is None:
         n = weight.shape[0] if weight.dim() == 2 else 0
         if not (16 <= n <= abi.MAX_GEMV_ROWS and n % 16 == 0):
-            raise ValueError(f"weight must have shape [N, {cols}], N a multiple of 16 in 16..{abi.MAX_GEMV_ROWS} "
-                             f"(the kernels' 32-bit row offsets), got {list(weight.shape)}")  # fmt: skip
+            raise ValueError(f"weight must have shape [N, {cols}], N a multiple of 16 in "
+                             f"16..{abi.MAX_GEMV_ROWS} (the kernels' 32-bit row offsets), got "
+                             f"{list(weight.shape)}")  # fmt: skip
     w = _t("weight", weight, weight.dtype, (n, cols), dev)
     if fmt == "bf16":
         if weight_scale is not None or global_scale is not None:
@@ -102,7 +106,8 @@ def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tupl
         raise TypeError(f"weight_scale must be a torch.float8_e4m3fn (or torch.uint8 view) tensor, got {sdt}")
     n_pad = -(-n // 128) * 128  # the 128x4 swizzle pads rows to a multiple of 128
     ws = _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
-    return fmt, n, {"weight": w, "weight_scale": ws, "global_scale": _scalar("global_scale", global_scale, dev)}
+    gs = _scalar("global_scale", global_scale, dev)
+    return fmt, n, {"weight": w, "weight_scale": ws, "global_scale": gs}
 
 
 def _scalar(name: str, t, dev: int) -> int:
@@ -125,8 +130,8 @@ def _kv_scale(name: str, t, dev: int, recheck: bool) -> int:
     ref, version = _scale_ok.get(id(t), (None, None))
     if recheck or version != t._version or ref() is not t:
         if torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"{name} was never checked and cannot be read during CUDA-graph capture: call the "
-                             "op once before capturing")  # fmt: skip
+            raise ValueError(f"{name} was never checked and cannot be read during CUDA-graph capture: call "
+                             "the op once before capturing")  # fmt: skip
         v = t.item()
         if not 0 < v <= F32_MAX:
             raise ValueError(f"{name} must be finite and > 0, got {v}")
@@ -146,7 +151,8 @@ def _cache(name: str, t, nkv: int, dev: int):
         raise ValueError(f"{name} is on {t.device}, expected cuda:{dev} (all tensors on x's CUDA device)")
     shape, st = t.shape, t.stride()
     if len(shape) != 4 or shape[2] != nkv or shape[3] != HEAD_DIM or shape[0] < 1 or shape[1] < 1:
-        raise ValueError(f"{name} must have shape [num_blocks, block_size, {nkv}, {HEAD_DIM}], got {list(shape)}")
+        raise ValueError(f"{name} must have shape [num_blocks, block_size, {nkv}, {HEAD_DIM}], "
+                         f"got {list(shape)}")  # fmt: skip
     nb, bs = shape[0], shape[1]
     if st[3] != 1:
         raise ValueError(f"{name} must have last stride 1, got strides {st}")
@@ -179,13 +185,15 @@ def _disjoint(k: Tensor, v: Tensor, nb: int, bs: int, nkv: int, st) -> bool:
 
 def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
               slot_mapping, k_scale, v_scale, checked) -> tuple[dict, bool, str]:  # fmt: skip
-    """Kernel arguments of the per-head stage (flint_qkv_fused, qk_norm_rope_cache), RoPE on/off, cache dtype."""
+    """Kernel arguments of the per-head stage (flint_qkv_fused, qk_norm_rope_cache), RoPE on/off, cache
+    dtype."""
     if cos_sin_cache is not None:
         if cos_sin_cache is _NO_ROPE.get(dev):
             raise ValueError("cos_sin_cache is loader.no_rope_table(), a placeholder: pass None for no RoPE")
-        max_pos = cos_sin_cache.shape[0] if isinstance(cos_sin_cache, Tensor) and cos_sin_cache.dim() == 2 else 0
+        is2d = isinstance(cos_sin_cache, Tensor) and cos_sin_cache.dim() == 2
+        max_pos = cos_sin_cache.shape[0] if is2d else 0
         if not 1 <= max_pos <= _I32_MAX:
-            raise ValueError("cos_sin_cache must be an fp32 tensor [max_pos, 128], 1 <= max_pos < 2**31, or None")
+            raise ValueError("cos_sin_cache must be None or fp32 [max_pos, 128] with 1 <= max_pos < 2**31")
         cs = _t("cos_sin_cache", cos_sin_cache, _F32, (max_pos, HEAD_DIM), dev)
     else:
         max_pos, cs = 1, _no_rope(dev).data_ptr()
@@ -196,11 +204,12 @@ def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, 
     vst = _cache("v_cache", v_cache, nkv, dev)[2]
     kdt = k_cache.dtype
     if v_cache.shape != k_cache.shape or vst != st or v_cache.dtype is not kdt:
-        raise ValueError(f"k_cache and v_cache must have the same shape, strides and dtype, got {list(k_cache.shape)} "
-                         f"{st} {kdt} and {list(v_cache.shape)} {vst} {v_cache.dtype}")  # fmt: skip
+        raise ValueError(f"k_cache and v_cache must have the same shape, strides and dtype, got "
+                         f"{list(k_cache.shape)} {st} {kdt} and {list(v_cache.shape)} {vst} "
+                         f"{v_cache.dtype}")  # fmt: skip
     if not _disjoint(k_cache, v_cache, nb, bs, nkv, st):
-        raise ValueError("k_cache and v_cache overlap (the same memory, or a block of one inside the other's): "
-                         "the kernels would write k and v to the same elements")  # fmt: skip
+        raise ValueError("k_cache and v_cache overlap (the same memory, or a block of one inside the "
+                         "other's): the kernels would write k and v to the same elements")  # fmt: skip
     kv = "bf16" if kdt is _BF16 else "fp8_e4m3"
     if kv == "bf16":
         if k_scale is not None or v_scale is not None:
@@ -227,7 +236,7 @@ def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, 
 def _check_bounds(positions, slot_mapping, max_pos, num_slots):
     """Checked mode: values the kernels would skip (NaN q/k, slot not written) raise instead."""
     if torch.cuda.is_current_stream_capturing():
-        raise ValueError("bounds_check reads positions and slots on the host: not usable during graph capture")
+        raise ValueError("bounds_check reads positions and slots on the host: not usable in graph capture")
     if max_pos is not None:
         bad = [(t, p) for t, p in enumerate(positions.tolist()) if not 0 <= p < max_pos]
         if bad:
@@ -235,22 +244,26 @@ def _check_bounds(positions, slot_mapping, max_pos, num_slots):
     slots = slot_mapping.tolist()
     bad = [(t, s) for t, s in enumerate(slots) if s >= num_slots]
     if bad:
-        raise ValueError(f"slots outside the cache (num_blocks * block_size = {num_slots}): token, slot = {bad}")
+        raise ValueError(f"slots outside the cache (num_blocks * block_size = {num_slots}): token, slot = "
+                         f"{bad}")  # fmt: skip
     seen: dict[int, int] = {}
     for t, s in enumerate(slots):
         if s >= 0 and seen.setdefault(s, t) != t:
-            raise ValueError(f"slot {s} is mapped twice (tokens {seen[s]} and {t}): each token needs its own slot")
+            raise ValueError(f"slot {s} is mapped twice (tokens {seen[s]} and {t}): each token needs its "
+                             "own slot")  # fmt: skip
 
 
 def _norm_args(x, residual, weight, eps, m: int, dev: int) -> tuple[dict, Tensor]:
-    """Kernel arguments of the input norm (norm kernel or prologue) and residual_out (x itself without one)."""
+    """Kernel arguments of the input norm (norm kernel or prologue) and residual_out (x itself without
+    a residual)."""
     xp = _t("x", x, _BF16, (m, HIDDEN), dev)
     wp, eps = _t("norm_weight", weight, _BF16, (HIDDEN,), dev), _eps("eps", eps)
     if residual is None:
         return {"x": xp, "residual": xp, "residual_out": xp, "norm_weight": wp, "eps": eps}, x
     rp = _t("residual", residual, _BF16, (m, HIDDEN), dev)
     res_out = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
-    return {"x": xp, "residual": rp, "residual_out": res_out.data_ptr(), "norm_weight": wp, "eps": eps}, res_out
+    ro = res_out.data_ptr()
+    return {"x": xp, "residual": rp, "residual_out": ro, "norm_weight": wp, "eps": eps}, res_out
 
 
 def _launch_norm(args: dict, x: Tensor, m: int, dev: int, has_res: bool, stream: int, pdl: bool) -> Tensor:
@@ -264,7 +277,8 @@ def _launch_norm(args: dict, x: Tensor, m: int, dev: int, has_res: bool, stream:
 
 # ----------------------------------------------------------------------------- input norm
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= 8 (docs/api.md §4)."""
+    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= 8
+    (docs/api.md §4)."""
     if _compiling():
         return torch.ops.flint.rms_norm(x, weight, eps)
     m, dev = _x(x)
@@ -327,11 +341,11 @@ def flint_qkv_fused(
     (docs/api.md §3; numerics: docs/numerics.md).
 
     Returns (q bf16 [M, num_q_heads * 128], residual_out bf16 [M, 2048]); residual_out is x itself when
-    residual is None. An FP8 cache (float8_e4m3fn, or uint8 meaning e4m3) needs k_scale and v_scale. A position
-    outside cos_sin_cache makes that token's q/k heads NaN; a negative slot or one >= num_blocks * block_size is
-    not written; `launch_options(bounds_check=True)` raises on them instead. PDL input contract (docs/api.md
-    §14): the weights, their scales and the norm weights may be read before the kernel waits for its
-    predecessor on the stream, so that predecessor must not write them.
+    residual is None. An FP8 cache (float8_e4m3fn, or uint8 meaning e4m3) needs k_scale and v_scale. A
+    position outside cos_sin_cache makes that token's q/k heads NaN; a negative slot or one >= num_blocks *
+    block_size is not written; `launch_options(bounds_check=True)` raises on them instead. PDL input contract
+    (docs/api.md §14): the weights, their scales and the norm weights may be read before the kernel waits for
+    its predecessor on the stream, so that predecessor must not write them.
     """
     if _compiling():
         q, r = torch.ops.flint.qkv_fused(
@@ -345,8 +359,9 @@ def flint_qkv_fused(
     fmt, n, wargs = _weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
     opts = _options()
     nargs, res_out = _norm_args(x, residual, norm_weight, eps, m, dev)
-    eargs, rope, kv = _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
-                                k_cache, v_cache, slot_mapping, k_scale, v_scale, opts.bounds_check)  # fmt: skip
+    eargs, rope, kv = _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache,
+                                positions, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                                opts.bounds_check)  # fmt: skip
     # one kernel per layer when the bundle has the prologue design, else the norm kernel + the qkv kernel
     designs = (opts.design,) if opts.design else ("prologue", "separate")
     k = _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, designs), lambda: [
@@ -364,7 +379,9 @@ def flint_qkv_fused(
 
 
 # ----------------------------------------------------------------------------- the unfused path
-def gemv(x: Tensor, weight: Tensor, weight_scale: Tensor | None = None, global_scale: Tensor | None = None) -> Tensor:
+def gemv(
+    x: Tensor, weight: Tensor, weight_scale: Tensor | None = None, global_scale: Tensor | None = None
+) -> Tensor:
     """y = bf16(x · Wᵀ) for x bf16 [M, 2048] (1 <= M <= 8) and W BF16 [N, 2048] or NVFP4 (uint8 [N, 1024],
     e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N a multiple
     of 16 up to loader.abi.MAX_GEMV_ROWS. Bit-identical to the fused kernel's qkv values (docs/numerics.md
@@ -399,11 +416,12 @@ def qk_norm_rope_cache(
 ) -> Tensor:
     """docs/numerics.md §3-§4 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm,
     NeoX RoPE (cos_sin_cache None = none), k and v written to the paged (BF16 or FP8) cache at slot_mapping
-    (same rules and memory safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128] (docs/api.md §6)."""
+    (same rules and memory safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128]
+    (docs/api.md §6)."""
     if _compiling():
         return torch.ops.flint.qk_norm_rope_cache(
-            qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
-            num_q_heads, num_kv_heads, k_scale=k_scale, v_scale=v_scale,
+            qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+            slot_mapping, num_q_heads, num_kv_heads, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     nq, nkv = _heads(num_q_heads, num_kv_heads)
     n = (nq + 2 * nkv) * HEAD_DIM

@@ -1,11 +1,12 @@
-"""CUDA driver side of the loader (docs/bundle.md §4): where the bundle is, per-device module loading, and
-ready-to-launch kernels.
+"""CUDA driver side of the loader (docs/bundle.md §5, docs/api.md §10): where the bundle is, per-device module
+loading, and ready-to-launch kernels.
 
 torch and cuda-bindings only. A cubin is loaded once per device, lazily, under a lock, into the device's
-primary context (torch's). A `Launcher` is built once per (thread, device, kind, spec): function handle, launch
-configs with their cluster and PDL attributes, and a parameter buffer laid out from the manifest's parameter
-list; a call fills the buffer by parameter name and calls cuLaunchKernelEx on torch's current stream, so
-launches can be captured in CUDA graphs. Launch settings are scoped (`launch_options`), never process-wide.
+primary context (torch's). A `Launcher` is built once per (thread, device, kind, spec): function handle,
+launch configs with their cluster and PDL attributes, and a parameter buffer laid out from the manifest's
+parameter list; a call fills the buffer by parameter name and calls cuLaunchKernelEx on torch's current
+stream, so launches can be captured in CUDA graphs. Launch settings are scoped (`launch_options`), never
+process-wide.
 """
 
 from __future__ import annotations

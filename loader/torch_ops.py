@@ -1,8 +1,9 @@
 """The ops as torch custom ops, `torch.ops.flint.*`, registered when `loader` is imported, the way vLLM
-registers its own (docs/api.md §9): a schema inferred from each op's typed signature, `Library.define` +
+registers its own (docs/api.md §11): a schema inferred from each op's typed signature, `Library.define` +
 `Library.impl(..., "CUDA")` (a dispatcher entry without the per-call overhead of `torch.library.custom_op`),
-and one fake (shape) implementation per op for torch.compile. The KV caches are declared mutated. Outputs never
-alias inputs: with residual None the fused op returns an empty residual_out (the plain function hands back x).
+and one fake (shape) implementation per op for torch.compile. The KV caches are declared mutated. Outputs
+never alias inputs: with residual None the fused op returns an empty residual_out (the plain function hands
+back x).
 Under Dynamo tracing the plain functions call these ops, so `torch.compile(fullgraph=True)` sees one node.
 """
 
