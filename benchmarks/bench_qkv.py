@@ -1,13 +1,13 @@
-"""Per-layer time of the fused qkv op (BF16 and NVFP4 weights; both designs: the input norm in the qkv kernel's
-prologue, and the two-kernel design; BF16 and FP8 KV caches) under CUDA-graph replay of many layers with
-distinct weights (L2 defeated), beside cuBLAS's GEMV alone and the device copy bandwidth, all in one run
-(BENCHMARKS.md §1).
+"""Per-layer time of the fused qkv op under CUDA-graph replay of many layers with distinct weights (L2
+defeated): BF16 and NVFP4 weights, both designs (the input norm in the qkv kernel's prologue, and the
+two-kernel design), BF16 and FP8 KV caches, beside cuBLAS's GEMV alone and the device copy bandwidth, all in
+one run (BENCHMARKS.md §1).
 
     PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--heads 32x4 ...] [--m 1 ...]
         [--fmt bf16 nvfp4] [--bundle build/flint] [--compare BUNDLE ...]
 
-Both designs are chosen with loader.launch_options(design=...). --compare adds, per row, the fused op from other bundles (A/B of kernel versions
-in one run; each bundle needs the variants benchmarked).
+The designs are chosen with loader.launch_options(design=...). --compare adds, per row, the fused op from
+other bundles (A/B of kernel versions in one run; each bundle needs the variants benchmarked).
 """
 
 import argparse
@@ -170,14 +170,15 @@ def main():
                         loader.load_bundle(main_bundle)
                 best = min(t_pro, t_sep)
                 limit = wbytes / bw * 1e6
-                rows.append((f"({nq},{nkv})", fmt, m, layers, wbytes / 1e6, t_pro, t_sep, t_fp8, t_sep_fp8, t_nopdl,
-                             t_cublas, limit, 100 * limit / best, t_cublas / best))  # fmt: skip
+                rows.append((f"({nq},{nkv})", fmt, m, layers, wbytes / 1e6, t_pro, t_sep, t_fp8, t_sep_fp8,
+                             t_nopdl, t_cublas, limit, 100 * limit / best, t_cublas / best))  # fmt: skip
                 print(rows[-1], flush=True)
             ws = caches = None  # free before the next shape
             torch.cuda.empty_cache()
     head = (
         f"copy bandwidth (read+write, 4 GiB device copy, graph, median): {bw / 1e12:.2f} TB/s\n\n"
-        "| heads | weights | M | layers | weight MB | prologue µs/layer | two-kernel µs/layer | prologue, FP8 cache | "
+        "| heads | weights | M | layers | weight MB | prologue µs/layer | two-kernel µs/layer | "
+        "prologue, FP8 cache | "
         "two-kernel, FP8 cache | prologue, no PDL | cuBLAS BF16 GEMV alone | limit µs (weights / copy BW) | "
         "% of copy BW (best) | cuBLAS / best |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
