@@ -1,8 +1,9 @@
-"""Build robustness (issue 6): a build killed mid-way leaves the previous bundle intact and loadable and
+"""Build robustness: a build killed mid-way leaves the previous bundle intact and loadable and
 its cache usable; -j N gives the same bytes as -j 1; another DSL version or kernel source is rebuilt, not
 taken from the cache."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ pytestmark = needs_dsl
 
 SMALL = "archs: [sm_90a]\nnorm:\n  residual: [true, false]\n"
 LARGER = (
-    "archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n"
+    "archs: [sm_90a]\nnorm:\n  residual: [true, false]\n"
     "qkv:\n  weight_format: [bf16]\n  rope: [true, false]\n  heads: [[8, 1]]\n"
 )
 
@@ -38,12 +39,15 @@ def test_killed_build_keeps_previous_bundle(tmp_path):
     assert p.wait(300) == 0, p.stdout.read().decode()
     before = _files(out)
 
-    # 8 compiles one at a time (~1.5 s each): killed (with its compile processes) after ~4 s
+    # compiles one at a time: killed (SIGKILL to the builder's process group; the compiles, in sessions of
+    # their own, die with the builder) once the first one is in the cache
     cache = tmp_path / "c2"
     p = _cli("build", str(tmp_path / "larger.yaml"), "-o", str(out), "-j", "1", "--cache-dir", str(cache),
              start_new_session=True)  # fmt: skip
-    time.sleep(4)
-    assert p.poll() is None, "the build finished before it could be killed: " + p.stdout.read().decode()
+    deadline = time.monotonic() + 120
+    while not [c for c in cache.glob("*") if len(c.name) == 64] and time.monotonic() < deadline:
+        assert p.poll() is None, "the build finished before it could be killed: " + p.stdout.read().decode()
+        time.sleep(0.05)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(60)
     assert _files(out) == before, "a killed build must not touch the bundle in place"
@@ -51,22 +55,22 @@ def test_killed_build_keeps_previous_bundle(tmp_path):
     assert all(not problems for problems in b.verify().values())
     assert sorted(e.name for e in b.manifest.kernels) == ["norm_res0", "norm_res1"]
 
-    # the interrupted cache is still good: finishing the build with it equals a build from scratch
+    # the interrupted cache is still good: the build finishes with it, reusing what was compiled (the bytes
+    # equal a build from scratch: test_build.test_reproducible_from_scratch, test_parallel_build_same_bytes)
     p = _cli("build", str(tmp_path / "larger.yaml"), "-o", str(out), "--cache-dir", str(cache))
     log = p.communicate(timeout=600)[0].decode()
     assert p.returncode == 0, log
-    assert " cached" in log  # the compiles finished before the kill were reused
-    fresh = tmp_path / "fresh"
-    p = _cli("build", str(tmp_path / "larger.yaml"), "-o", str(fresh), "--cache-dir", str(tmp_path / "c3"))
-    assert p.wait(600) == 0
-    assert _files(out) == _files(fresh)
-    assert not list(tmp_path.glob(".bundle.tmp-*"))
+    assert re.search(r"\((\d) compiled, ([1-9]) cached\)", log), (
+        log
+    )  # what finished before the kill was reused
+    assert all(not problems for problems in Bundle.open(out).verify().values())
+    assert not list(tmp_path.glob(".bundle.tmp-*")) and not list(cache.glob(".work-*"))
 
 
 def test_parallel_build_same_bytes(tmp_path):
     from flint_aot.builder import build
 
-    (tmp_path / "c.yaml").write_text(LARGER.replace(", sm_100a", ""))
+    (tmp_path / "c.yaml").write_text(LARGER.replace("rope: [true, false]", "rope: [true]"))
     build(tmp_path / "c.yaml", tmp_path / "j1", jobs=1, cache_dir=tmp_path / "k1")
     build(tmp_path / "c.yaml", tmp_path / "j3", jobs=3, cache_dir=tmp_path / "k3")
     assert _files(tmp_path / "j1") == _files(tmp_path / "j3")
@@ -75,18 +79,18 @@ def test_parallel_build_same_bytes(tmp_path):
 def test_other_dsl_or_kernel_source_is_rebuilt(tmp_path, monkeypatch):
     from flint_aot import builder, kernels
 
-    (tmp_path / "c.yaml").write_text(SMALL)
+    (tmp_path / "c.yaml").write_text(SMALL.replace("true, false", "true"))
     cache = tmp_path / "cache"
     out = tmp_path / "b"
-    assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 2
+    assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 1
     assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 0  # cached
     monkeypatch.setattr(builder, "dsl_version", lambda: "4.8.1+other")
     res = builder.build(tmp_path / "c.yaml", out, cache_dir=cache)
-    assert res.compiled == 2 and Bundle.open(out).manifest.dsl_version == "4.8.1+other"
+    assert res.compiled == 1 and Bundle.open(out).manifest.dsl_version == "4.8.1+other"
     monkeypatch.undo()
     real = kernels.source_hash()
     monkeypatch.setattr(kernels, "source_hash", lambda: "0" * 64 if real != "0" * 64 else "1" * 64)
-    assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 2
+    assert builder.build(tmp_path / "c.yaml", out, cache_dir=cache).compiled == 1
 
 
 def test_cli_compile_failure_names_the_specialization(tmp_path, monkeypatch):
