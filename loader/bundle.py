@@ -51,6 +51,8 @@ class Bundle:
     @classmethod
     def open(cls, path: str | os.PathLike) -> Bundle:
         p = Path(path)
+        if p.exists() and not p.is_dir():
+            raise BundleError(f"bundle {p} is a file, not a bundle directory; {REBUILD}")
         if not p.is_dir():
             raise BundleError(
                 f"bundle directory {p} does not exist; build one with "

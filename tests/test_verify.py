@@ -138,6 +138,12 @@ def test_malformed_manifest_structure(bundle, mutate, needle):
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and needle in r.output, r.output
 
 
+def test_bundle_path_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "f")])
+    assert r.exit_code != 0 and isinstance(r.exception, SystemExit), r.output
+
+
 def test_unreadable_manifest(bundle):
     (bundle / "manifest.json").write_bytes(b'{"schema_version": 1, "x": "\xff"}')
     with pytest.raises(ManifestError, match="not UTF-8"):
