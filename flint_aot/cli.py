@@ -181,17 +181,16 @@ def verify(bundle):
 @main.command()
 @BUNDLE_ARG
 @click.option("-o", "--out", default="dist", show_default=True, help="Folder for the wheel.")
-@click.option("--name", default="flint-aot-loader", show_default=True, help="Distribution name.")
-def pack(bundle, out, name):
-    """Turn BUNDLE (default build/flint) plus the loader into one wheel (needs only torch and cuda-bindings
-    to install)."""
+def pack(bundle, out):
+    """Turn BUNDLE (default build/flint) plus the loader into one wheel: the flint-aot-loader distribution
+    with the bundle inside (needs only torch and cuda-bindings to install; byte-reproducible)."""
     from flint_aot.pack import PackError
     from flint_aot.pack import pack as do_pack
     from loader.bundle import BundleError
     from loader.manifest import ManifestError
 
     try:
-        whl = do_pack(bundle, out, name)
+        whl = do_pack(bundle, out)
     except (PackError, BundleError, ManifestError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"{whl}  (pip install it; `import loader` then finds the bundle by itself)")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: environment, bundle verification, GPU tests, benchmark (if asked). Run from the repo root
-# on the GPU machine with the bundle carried in build/ (built on the CPU machine).
+# One device call: environment, bundle verification, GPU tests, the serving wheel's self-check, benchmark (if
+# asked). Run from the repo root on the GPU machine with the bundle carried in build/ (built on the CPU
+# machine).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -8,4 +9,23 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 python3 -m flint_aot.cli verify build/flint | tail -3
 timeout 400 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -${PYTEST_TAIL:-25}
+if [ "${WHEEL_CHECK:-1}" = 1 ]; then
+  # The serving wheel as a serving image gets it: packed from build/flint, installed with --no-deps into a
+  # plain venv that sees only this machine's torch and cuda-bindings (their site directories through a .pth
+  # file, after the venv's own: no network needed), run outside the checkout with no PYTHONPATH:
+  # `python -m loader.doctor` must pass every variant.
+  w=$(mktemp -d)
+  if python3 -m flint_aot.cli pack build/flint -o "$w/dist" >/dev/null && python3 -m venv "$w/venv" \
+     && "$w/venv/bin/python" -m pip install -q --no-deps --no-index "$w"/dist/*.whl; then
+    python3 -c "import os, torch, cuda.bindings as c; d = os.path.dirname
+print('\n'.join(sorted({d(d(torch.__file__)), d(d(d(c.__file__)))})))" \
+      > "$("$w/venv/bin/python" -c 'import site; print(site.getsitepackages()[0])')/device_torch.pth"
+    (cd "$w" && env -u PYTHONPATH "$w/venv/bin/python" -c \
+       "import loader; assert loader.__file__.startswith('$w/venv'), loader.__file__; print('wheel:', loader.__file__)" \
+     && env -u PYTHONPATH "$w/venv/bin/python" -m loader.doctor) 2>&1 | tee "$OUT/wheel_doctor.log" | tail -4
+  else
+    echo "serving wheel: pack or install failed" | tee "$OUT/wheel_doctor.log"
+  fi
+  rm -rf "$w"
+fi
 for b in ${BENCH:-}; do python3 "$b" 2>&1 | tee -a "$OUT/bench.log"; done
