@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,47 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
-needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl (build machine)")
-needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+# The markers (declared in pyproject.toml, registered again below for a run from elsewhere): a test or module
+# marked `gpu` is skipped without a CUDA GPU, one marked `dsl` without nvidia-cutlass-dsl
+# (pytest_collection_modifyitems). `pytestmark = pytest.mark.gpu`; the aliases are for older modules.
+MARKERS = {
+    "gpu": ("needs a CUDA GPU and a built bundle", HAS_GPU, "needs a CUDA GPU"),
+    "dsl": (
+        "needs nvidia-cutlass-dsl (compiles kernels)",
+        HAS_DSL,
+        "needs nvidia-cutlass-dsl (build machine)",
+    ),
+}
+needs_gpu = pytest.mark.gpu
+needs_dsl = pytest.mark.dsl
+
+
+def pytest_configure(config):
+    declared = {line.split(":")[0].strip() for line in config.getini("markers")}
+    for name, (doc, _, _) in MARKERS.items():
+        if name not in declared:
+            config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name, (_, available, reason) in MARKERS.items():
+            if not available and item.get_closest_marker(name) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+    # The GPU fuzz runs last: an example that broke the device context would fail every GPU test after it.
+    fuzz = [item for item in items if item.path.name == "test_fuzz_gpu.py"]
+    if fuzz:
+        items[:] = [item for item in items if item.path.name != "test_fuzz_gpu.py"] + fuzz
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz tests' example counts per op (tests/fuzz_harness.py), when any ran."""
+    harness = sys.modules.get("tests.fuzz_harness")
+    if harness is not None and harness.COUNTS:
+        terminalreporter.write_sep("=", "fuzz examples per op")
+        for line in harness.count_table():
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

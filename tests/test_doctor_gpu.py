@@ -1,15 +1,15 @@
-"""`flint-aot doctor` (issue 6) on the GPU: every variant passes on a sound bundle; a bundle with a wrong
+"""`flint-aot doctor` on the GPU: every variant passes on a sound bundle; a bundle with a wrong
 cubin behind one entry fails that variant and exits non-zero."""
 
 import json
 import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from flint_aot.cli import main
-from tests.conftest import needs_gpu
 
-pytestmark = needs_gpu
+pytestmark = pytest.mark.gpu
 
 
 def test_doctor_passes_on_the_bundle(gpu_bundle):
@@ -33,8 +33,12 @@ def test_doctor_fails_a_wrong_cubin(gpu_bundle, tmp_path):
     shutil.copytree(gpu_bundle.path, bad)
     m = json.loads((bad / "manifest.json").read_text())
     by_name = {(e["name"], e["arch"]): e for e in m["kernels"]}
-    victim = by_name[("qkv_bf16_rope1_h16x2", "sm_90a")]
-    other = by_name[("qkv_bf16_rope0_h16x2", "sm_90a")]
+    # BF16 (16, 2) with RoPE, the input norm in its own kernel or in the qkv kernel's prologue
+    name = next(
+        n for n in ("qkv_bf16_rope1_h16x2", "qkv_bf16_rope1_h16x2_prologue") if (n, "sm_90a") in by_name
+    )
+    victim = by_name[(name, "sm_90a")]
+    other = by_name[(name.replace("rope1", "rope0"), "sm_90a")]
     for key in ("file", "sha256", "size"):  # the entry now points at another variant's (intact) cubin
         victim[key] = other[key]
     (bad / "manifest.json").write_text(json.dumps(m))
@@ -43,6 +47,6 @@ def test_doctor_fails_a_wrong_cubin(gpu_bundle, tmp_path):
     finally:
         loader.load_bundle(gpu_bundle.path)
     assert r.exit_code == 1, r.output
-    line = next(ln for ln in r.output.splitlines() if ln.startswith("qkv_bf16_rope1_h16x2 "))
+    line = next(ln for ln in r.output.splitlines() if ln.startswith(name + " "))
     assert "FAIL" in line
     assert r.output.count("FAIL") == 1

@@ -1,14 +1,12 @@
-"""torch.library registration (issue 6): opcheck of every flint:: op, torch.compile(fullgraph=True) of
+"""torch.library registration: opcheck of every flint:: op, torch.compile(fullgraph=True) of
 code calling the loader's functions, and CUDA-graph capture of the compiled code."""
 
 import pytest
 import torch
 
-from tests.conftest import needs_gpu
-from tests.test_qkv_gpu import check, make_case, op_args
+from tests.helpers import D, check, make_case, op_args
 
-pytestmark = needs_gpu
-K, D = 2048, 128
+pytestmark = pytest.mark.gpu
 
 
 def _fused_args(c):

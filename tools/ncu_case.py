@@ -7,7 +7,7 @@ ncu serializes kernels, so PDL overlap is absent: per-kernel duration and memory
 import torch
 
 import loader
-from tests.test_qkv_gpu import make_case, op_args
+from tests.helpers import make_case, op_args
 
 loader.load_bundle("build/flint")
 cases = [op_args(make_case(m, 32, 4, True, seed=m, fmt=f)) for f in ("bf16", "nvfp4") for m in (1, 8)]

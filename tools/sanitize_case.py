@@ -3,7 +3,7 @@
 import torch
 
 import loader
-from tests.test_qkv_gpu import make_case, op_args
+from tests.helpers import make_case, op_args
 
 loader.load_bundle("build/flint")
 for fmt in ("bf16", "nvfp4"):
