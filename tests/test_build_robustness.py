@@ -31,11 +31,12 @@ def _cli(*args, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)  # fmt: skip
 
 
-def test_killed_build_keeps_previous_bundle(tmp_path):
+def test_killed_build_keeps_previous_bundle(tmp_path, tmp_path_factory):
     (tmp_path / "small.yaml").write_text(SMALL)
     (tmp_path / "larger.yaml").write_text(LARGER)
     out = tmp_path / "bundle"
-    p = _cli("build", str(tmp_path / "small.yaml"), "-o", str(out), "--cache-dir", str(tmp_path / "c1"))
+    shared = tmp_path_factory.getbasetemp() / "shared-cache"  # the previous bundle: from any cache
+    p = _cli("build", str(tmp_path / "small.yaml"), "-o", str(out), "--cache-dir", str(shared))
     assert p.wait(300) == 0, p.stdout.read().decode()
     before = _files(out)
 
@@ -70,7 +71,7 @@ def test_killed_build_keeps_previous_bundle(tmp_path):
 def test_parallel_build_same_bytes(tmp_path):
     from flint_aot.builder import build
 
-    (tmp_path / "c.yaml").write_text(LARGER.replace("rope: [true, false]", "rope: [true]"))
+    (tmp_path / "c.yaml").write_text(SMALL)
     build(tmp_path / "c.yaml", tmp_path / "j1", jobs=1, cache_dir=tmp_path / "k1")
     build(tmp_path / "c.yaml", tmp_path / "j3", jobs=3, cache_dir=tmp_path / "k3")
     assert _files(tmp_path / "j1") == _files(tmp_path / "j3")

@@ -163,25 +163,27 @@ def test_serving_wheel_has_the_doctor_and_the_nvfp4_helpers(served):
 def test_build_package_owns_no_loader_file(served, tmp_path):
     """`pip install flint-aot` beside the serving wheel, then `pip uninstall flint-aot`: the loader and its
     bundle stay (before the split, flint-aot also held loader/ and its uninstall deleted the loader)."""
-    src = tmp_path / "src"  # the build package's sources, so the install leaves the checkout untouched
+    src = tmp_path / "src"  # the checkout's build-package sources, so that building leaves the checkout as is
     src.mkdir()
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, src / f)
-    shutil.copytree(ROOT / "flint_aot", src / "flint_aot", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(
-        ROOT / "loader", src / "loader", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
-    )
-    served.pip("install", "-q", "--no-deps", str(src))
-    site = served.run("-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
-    (record,) = [p for p in os.listdir(site) if p.startswith("flint_aot-") and p.endswith(".dist-info")]
-    owned = [ln.split(",")[0] for ln in open(os.path.join(site, record, "RECORD")).read().splitlines()]
+    for d in ("flint_aot", "loader"):  # loader/ is there in a checkout too: flint-aot must not pick it up
+        shutil.copytree(ROOT / d, src / d, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    # the wheel `pip install --no-deps <checkout>` builds (here with this environment's setuptools)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "w"), str(src)], check=True, capture_output=True)  # fmt: skip
+    (whl,) = (tmp_path / "w").glob("flint_aot-*.whl")
+    served.pip("install", "-q", "--no-deps", str(whl))
+    (site,) = (served.root / "venv" / "lib").glob("python3*/site-packages")
+    (record,) = site.glob("flint_aot-*.dist-info/RECORD")
+    owned = [ln.split(",")[0] for ln in record.read_text().splitlines()]
     assert any(f.startswith("flint_aot/") for f in owned)
     assert not [f for f in owned if f.startswith("loader/")], "flint-aot must not own loader files"
-    assert served.run("-c", "import flint_aot, loader; print(loader.__file__)").stdout.startswith(site)
+    assert served.probe()["flint_aot"]
 
     served.pip("uninstall", "-y", "-q", "flint-aot")
     got = served.probe()
-    assert got["verify"] and got["bundle"].startswith(site) and not got["flint_aot"]
+    assert got["verify"] and got["bundle"].startswith(str(site)) and not got["flint_aot"]
     assert served.run("-m", "loader.doctor", "--help").returncode == 0
 
 
