@@ -202,18 +202,14 @@ def pack(bundle, out):
 def doctor(bundle, tokens):
     """Run every variant of BUNDLE (default build/flint) once on this GPU against the torch reference; exit 1
     if any fails."""
-    from loader.doctor import TOL, run
+    from loader.doctor import report, run  # the same code as `python -m loader.doctor`
 
     try:
         results = run(bundle, m=tokens)
     except Exception as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
-    rows = [[r.variant, f"{r.max_err:.2e}", "pass" if r.ok else "FAIL", f"{r.ms:.2f}", r.note]
-            for r in results]  # fmt: skip
-    click.echo(_table(["variant", "max rel err", "result", "ms (first call)", "note"], rows))
-    bad = [r for r in results if not r.ok]
-    click.echo(f"{len(results) - len(bad)} of {len(results)} variants pass (tolerance {TOL:g})")
-    if bad:
+    click.echo(report(results))
+    if not all(r.ok for r in results):
         sys.exit(1)
 
 

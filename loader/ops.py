@@ -124,18 +124,20 @@ _scale_ok: dict[int, tuple] = {}  # id(tensor) -> (weak reference, its _version 
 
 def _kv_scale(name: str, t, dev: int, recheck: bool) -> int:
     """data_ptr of an FP8 cache scale, checked to be one finite fp32 > 0 on device dev. The value is read
-    (a device-to-host copy) again after every in-place change torch records (the tensor's version counter),
-    and on every call in checked mode; not during CUDA-graph capture, where an unread scale is refused."""
+    (a device-to-host copy) again after every in-place change torch records (the tensor's version counter;
+    an inference-mode tensor, which has none, is read once), and on every call in checked mode; not during
+    CUDA-graph capture, where an unread scale is refused."""
     p = _scalar(name, t, dev)
     ref, version = _scale_ok.get(id(t), (None, None))
-    if recheck or version != t._version or ref() is not t:
+    now = -1 if t.is_inference() else t._version  # inference tensors keep no version counter
+    if recheck or version != now or ref() is not t:
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(f"{name} was never checked and cannot be read during CUDA-graph capture: call "
                              "the op once before capturing")  # fmt: skip
         v = t.item()
         if not 0 < v <= F32_MAX:
             raise ValueError(f"{name} must be finite and > 0, got {v}")
-        _scale_ok[id(t)] = (weakref.ref(t), t._version)
+        _scale_ok[id(t)] = (weakref.ref(t), now)
     return p
 
 
