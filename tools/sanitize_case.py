@@ -1,4 +1,9 @@
-"""One fused qkv call per variant kind for compute-sanitizer (memcheck / racecheck / synccheck)."""
+"""Fused qkv calls for compute-sanitizer (memcheck / racecheck / synccheck): both weight formats, both designs
+(the input norm in the qkv kernel's prologue, and the two-kernel design), BF16 and FP8 caches, with and
+without a residual, bad slots among them; then the unfused path (norm, gemv, qk_norm_rope_cache) once each.
+
+    compute-sanitizer --tool racecheck --report-api-errors no python3 tools/sanitize_case.py
+"""
 
 import torch
 
@@ -6,12 +11,21 @@ import loader
 from tests.helpers import make_case, op_args
 
 loader.load_bundle("build/flint")
-for fmt in ("bf16", "nvfp4"):
-    for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8)):
-        c = make_case(m, nq, nkv, rope, seed=m, slots=torch.tensor([3, -1, 70][:m], device="cuda"), fmt=fmt)
-        c = op_args(c)
-        q, r = loader.flint_qkv_fused(**c)
-        c["residual"] = None
-        q, r = loader.flint_qkv_fused(**c)
+for design in ("prologue", "separate"):
+    with loader.launch_options(design=design):
+        for fmt in ("bf16", "nvfp4"):
+            for kv in ("bf16", "fp8_e4m3"):
+                for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8)):
+                    slots = torch.tensor([3, -1, 70][:m], device="cuda")
+                    c = op_args(make_case(m, nq, nkv, rope, seed=m, slots=slots, fmt=fmt, kv_dtype=kv))
+                    q, r = loader.flint_qkv_fused(**c)
+                    c["residual"] = None
+                    q, r = loader.flint_qkv_fused(**c)
+c = op_args(make_case(5, 16, 2, True, seed=1, kv_dtype="fp8_e4m3"))
+xn, ro = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
+qkv = loader.gemv(xn, c["weight"])
+keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache", "v_cache",
+        "slot_mapping", "num_q_heads", "num_kv_heads", "k_scale", "v_scale")  # fmt: skip
+q = loader.qk_norm_rope_cache(qkv, **{k: c[k] for k in keys})
 torch.cuda.synchronize()
 print("sanitize case done")
