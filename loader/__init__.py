@@ -25,15 +25,14 @@ _RUNTIME = {"current_bundle", "launch_options", "load_bundle"}
 
 
 def __getattr__(name):
-    if name == "BundleError":
-        from loader.bundle import BundleError
+    """The public names, resolved on first use (then bound: later lookups are plain module attributes)."""
+    if name not in __all__:
+        raise AttributeError(f"module 'loader' has no attribute {name!r}")
+    from loader import bundle, ops, runtime, torch_ops  # noqa: F401  (torch_ops registers torch.ops.flint.*)
 
-        return BundleError
-    if name in __all__:
-        from loader import runtime, torch_ops  # noqa: F401  (registers torch.ops.flint.*)
-
-        return getattr(runtime if name in _RUNTIME else torch_ops.ops, name)
-    raise AttributeError(f"module 'loader' has no attribute {name!r}")
+    for n in __all__:
+        globals()[n] = getattr(bundle if n == "BundleError" else runtime if n in _RUNTIME else ops, n)
+    return globals()[name]
 
 
 def __dir__():
@@ -41,4 +40,4 @@ def __dir__():
 
 
 if "flint_aot" not in sys.modules:
-    from loader import torch_ops  # noqa: F401,E402
+    __getattr__("load_bundle")

@@ -22,6 +22,10 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda d: torch.cuda.current_stream(d).cuda_stream
 )
 _compiling = torch.compiler.is_compiling
+# expected shapes as torch.Size: comparing a tensor's shape with a torch.Size is twice as fast as with a tuple
+_ROWS = [torch.Size([m, HIDDEN]) for m in range(MAX_M + 1)]
+_TOKENS = [torch.Size([m]) for m in range(MAX_M + 1)]
+_HIDDEN, _HEAD = torch.Size([HIDDEN]), torch.Size([HEAD_DIM])
 _options = runtime.options
 _launcher = runtime.launcher
 
@@ -68,6 +72,8 @@ def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int]:
 
 
 def _heads(nq, nkv) -> tuple[int, int]:
+    if type(nq) is int and type(nkv) is int and 1 <= nkv <= nq <= 4096 and not nq % nkv:
+        return nq, nkv
     for name, v in (("num_q_heads", nq), ("num_kv_heads", nkv)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
@@ -78,9 +84,10 @@ def _heads(nq, nkv) -> tuple[int, int]:
     return nq, nkv
 
 
-def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tuple[str, int, dict]:
-    """(format, N, kernel arguments) of a BF16 or NVFP4 weight of n rows (when n is None: any multiple of 16
-    up to abi.MAX_GEMV_ROWS). BF16 kernels never read the scale pointers (they get the weight's)."""
+def _weight(a: dict, weight, weight_scale, global_scale, dev: int, n: int | None) -> tuple[str, int]:
+    """(format, N) of a BF16 or NVFP4 weight of n rows (when n is None: any multiple of 16 up to
+    abi.MAX_GEMV_ROWS); its kernel arguments go into a. BF16 kernels never read the scale pointers (they get
+    the weight's)."""
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     fmt = "bf16" if weight.dtype is _BF16 else "nvfp4" if weight.dtype is _U8 else None
@@ -98,16 +105,18 @@ def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tupl
     if fmt == "bf16":
         if weight_scale is not None or global_scale is not None:
             raise ValueError("weight_scale and global_scale must be None for a BF16 weight")
-        return fmt, n, {"weight": w, "weight_scale": w, "global_scale": w}
+        a["weight"] = a["weight_scale"] = a["global_scale"] = w
+        return fmt, n
     if weight_scale is None or global_scale is None:
         raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
     sdt = weight_scale.dtype if isinstance(weight_scale, Tensor) else None
     if sdt is not _E4M3 and sdt is not _U8:
         raise TypeError(f"weight_scale must be a torch.float8_e4m3fn (or torch.uint8 view) tensor, got {sdt}")
     n_pad = -(-n // 128) * 128  # the 128x4 swizzle pads rows to a multiple of 128
-    ws = _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
-    gs = _scalar("global_scale", global_scale, dev)
-    return fmt, n, {"weight": w, "weight_scale": ws, "global_scale": gs}
+    a["weight"] = w
+    a["weight_scale"] = _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
+    a["global_scale"] = _scalar("global_scale", global_scale, dev)
+    return fmt, n
 
 
 def _scalar(name: str, t, dev: int) -> int:
@@ -185,10 +194,10 @@ def _disjoint(k: Tensor, v: Tensor, nb: int, bs: int, nkv: int, st) -> bool:
     return r >= extent and (q + 1 >= nb or st[0] - r >= extent)
 
 
-def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
-              slot_mapping, k_scale, v_scale, checked) -> tuple[dict, bool, str]:  # fmt: skip
-    """Kernel arguments of the per-head stage (flint_qkv_fused, qk_norm_rope_cache), RoPE on/off, cache
-    dtype."""
+def _epilogue(a, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache,
+              v_cache, slot_mapping, k_scale, v_scale, checked) -> tuple[bool, str]:  # fmt: skip
+    """RoPE on/off and cache dtype of the per-head stage (flint_qkv_fused, qk_norm_rope_cache); its kernel
+    arguments go into a."""
     if cos_sin_cache is not None:
         if cos_sin_cache is _NO_ROPE.get(dev):
             raise ValueError("cos_sin_cache is loader.no_rope_table(), a placeholder: pass None for no RoPE")
@@ -196,7 +205,7 @@ def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, 
         max_pos = cos_sin_cache.shape[0] if is2d else 0
         if not 1 <= max_pos <= _I32_MAX:
             raise ValueError("cos_sin_cache must be None or fp32 [max_pos, 128] with 1 <= max_pos < 2**31")
-        cs = _t("cos_sin_cache", cos_sin_cache, _F32, (max_pos, HEAD_DIM), dev)
+        cs = _t("cos_sin_cache", cos_sin_cache, _F32, torch.Size([max_pos, HEAD_DIM]), dev)
     else:
         max_pos, cs = 1, _no_rope(dev).data_ptr()
     if not isinstance(slot_mapping, Tensor) or slot_mapping.dim() != 1 or slot_mapping.shape[0] > m:
@@ -221,18 +230,18 @@ def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, 
         if k_scale is None or v_scale is None:
             raise ValueError(f"an FP8 cache ({kdt}) needs k_scale and v_scale (one-element fp32 tensors)")
         ks, vs = _kv_scale("k_scale", k_scale, dev, checked), _kv_scale("v_scale", v_scale, dev, checked)
-    args = {
-        "q_norm_weight": _t("q_norm_weight", q_norm_weight, _BF16, (HEAD_DIM,), dev),
-        "k_norm_weight": _t("k_norm_weight", k_norm_weight, _BF16, (HEAD_DIM,), dev),
-        "cos_sin_cache": cs, "positions": _t("positions", positions, _I64, (m,), dev, align=8),
-        "slot_mapping": _t("slot_mapping", slot_mapping, _I64, (s,), dev, align=8),
-        "k_cache": k_cache.data_ptr(), "v_cache": v_cache.data_ptr(), "k_scale": ks, "v_scale": vs,
-        "m": m, "num_slot_mapping": s, "max_pos": max_pos, "block_size": bs, "num_cache_slots": nb * bs,
-        "stride_block": st[0], "stride_slot": st[1], "stride_head": st[2], "qk_eps": _eps("qk_eps", qk_eps),
-    }  # fmt: skip
+    a.update(
+        q_norm_weight=_t("q_norm_weight", q_norm_weight, _BF16, _HEAD, dev),
+        k_norm_weight=_t("k_norm_weight", k_norm_weight, _BF16, _HEAD, dev),
+        cos_sin_cache=cs, positions=_t("positions", positions, _I64, _TOKENS[m], dev, align=8),
+        slot_mapping=_t("slot_mapping", slot_mapping, _I64, _TOKENS[s], dev, align=8),
+        k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), k_scale=ks, v_scale=vs, m=m,
+        num_slot_mapping=s, max_pos=max_pos, block_size=bs, num_cache_slots=nb * bs, stride_block=st[0],
+        stride_slot=st[1], stride_head=st[2], qk_eps=_eps("qk_eps", qk_eps),
+    )  # fmt: skip
     if checked:
         _check_bounds(positions, slot_mapping, max_pos if cos_sin_cache is not None else None, nb * bs)
-    return args, cos_sin_cache is not None, kv
+    return cos_sin_cache is not None, kv
 
 
 def _check_bounds(positions, slot_mapping, max_pos, num_slots):
@@ -255,24 +264,26 @@ def _check_bounds(positions, slot_mapping, max_pos, num_slots):
                              "own slot")  # fmt: skip
 
 
-def _norm_args(x, residual, weight, eps, m: int, dev: int) -> tuple[dict, Tensor]:
-    """Kernel arguments of the input norm (norm kernel or prologue) and residual_out (x itself without
-    a residual)."""
-    xp = _t("x", x, _BF16, (m, HIDDEN), dev)
-    wp, eps = _t("norm_weight", weight, _BF16, (HIDDEN,), dev), _eps("eps", eps)
+def _norm_args(a: dict, x, residual, weight, eps, m: int, dev: int) -> Tensor:
+    """The input norm's kernel arguments (norm kernel or prologue) into a; returns residual_out (a new
+    tensor, or x itself without a residual)."""
+    a["x"] = _t("x", x, _BF16, _ROWS[m], dev)
+    a["norm_weight"] = _t("norm_weight", weight, _BF16, _HIDDEN, dev)
+    a["eps"] = _eps("eps", eps)
     if residual is None:
-        return {"x": xp, "residual": xp, "residual_out": xp, "norm_weight": wp, "eps": eps}, x
-    rp = _t("residual", residual, _BF16, (m, HIDDEN), dev)
+        a["residual"] = a["residual_out"] = a["x"]
+        return x
+    a["residual"] = _t("residual", residual, _BF16, _ROWS[m], dev)
     res_out = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
-    ro = res_out.data_ptr()
-    return {"x": xp, "residual": rp, "residual_out": ro, "norm_weight": wp, "eps": eps}, res_out
+    a["residual_out"] = res_out.data_ptr()
+    return res_out
 
 
-def _launch_norm(args: dict, x: Tensor, m: int, dev: int, has_res: bool, stream: int, pdl: bool) -> Tensor:
+def _launch_norm(a: dict, x: Tensor, m: int, dev: int, has_res: bool, stream: int, pdl: bool) -> Tensor:
     k = _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
     xn = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
-    k.pack({"x": args["x"], "residual": args["residual"], "residual_out": args["residual_out"],
-            "xn": xn.data_ptr(), "weight": args["norm_weight"], "eps": args["eps"]})  # fmt: skip
+    k.pack({"x": a["x"], "residual": a["residual"], "residual_out": a["residual_out"], "xn": xn.data_ptr(),
+            "weight": a["norm_weight"], "eps": a["eps"]})  # fmt: skip
     k.launch(m, stream, pdl)
     return xn
 
@@ -284,8 +295,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _compiling():
         return torch.ops.flint.rms_norm(x, weight, eps)
     m, dev = _x(x)
-    args = _norm_args(x, None, weight, eps, m, dev)[0]
-    return _launch_norm(args, x, m, dev, False, _raw_stream(dev), _options().pdl)
+    a: dict = {}
+    _norm_args(a, x, None, weight, eps, m, dev)
+    return _launch_norm(a, x, m, dev, False, _raw_stream(dev), _options().pdl)
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -295,8 +307,9 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     if residual is None:
         raise TypeError("residual must be a tensor (use rms_norm when there is none)")
     m, dev = _x(x)
-    args, res_out = _norm_args(x, residual, weight, eps, m, dev)
-    return _launch_norm(args, x, m, dev, True, _raw_stream(dev), _options().pdl), res_out
+    a: dict = {}
+    res_out = _norm_args(a, x, residual, weight, eps, m, dev)
+    return _launch_norm(a, x, m, dev, True, _raw_stream(dev), _options().pdl), res_out
 
 
 # ----------------------------------------------------------------------------- fused qkv
@@ -358,24 +371,25 @@ def flint_qkv_fused(
         return q, (x if residual is None else r)  # (the op never aliases an input)
     m, dev = _x(x)
     nq, nkv = _heads(num_q_heads, num_kv_heads)
-    fmt, n, wargs = _weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
+    a: dict = {}
+    fmt, n = _weight(a, weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
     opts = _options()
-    nargs, res_out = _norm_args(x, residual, norm_weight, eps, m, dev)
-    eargs, rope, kv = _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache,
-                                positions, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-                                opts.bounds_check)  # fmt: skip
+    res_out = _norm_args(a, x, residual, norm_weight, eps, m, dev)
+    rope, kv = _epilogue(a, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
+                         k_cache, v_cache, slot_mapping, k_scale, v_scale, opts.bounds_check)  # fmt: skip
     # one kernel per layer when the bundle has the prologue design, else the norm kernel + the qkv kernel
     designs = (opts.design,) if opts.design else ("prologue", "separate")
     k = _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, designs), lambda: [
         abi.qkv_spec(fmt, rope, nq, nkv, kv, norm) for norm in designs])  # fmt: skip
     q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=x.device)
+    a["q"] = q.data_ptr()
     stream, has_res = _raw_stream(dev), residual is not None
     if k.entry.spec["norm"] == "prologue":
-        k.pack({**wargs, **eargs, **nargs, "q": q.data_ptr(), "has_residual": int(has_res)})
-    else:
-        xn = _launch_norm(nargs, x, m, dev, has_res, stream, opts.pdl)
-        k.pack({**wargs, **eargs, "x": xn.data_ptr(), "residual": 0, "residual_out": 0, "norm_weight": 0,
-                "eps": 0.0, "q": q.data_ptr(), "has_residual": 0})  # fmt: skip
+        a["has_residual"] = int(has_res)
+    else:  # the norm kernel writes xn, which the qkv kernel reads as its x
+        a["x"] = _launch_norm(a, x, m, dev, has_res, stream, opts.pdl).data_ptr()
+        a.update(residual=0, residual_out=0, norm_weight=0, eps=0.0, has_residual=0)
+    k.pack(a)
     k.launch(n // abi.ROWS_PER_CTA, stream, opts.pdl)
     return q, res_out
 
@@ -391,11 +405,12 @@ def gemv(
     if _compiling():
         return torch.ops.flint.gemv(x, weight, weight_scale, global_scale)
     m, dev = _x(x)
-    fmt, n, args = _weight(weight, weight_scale, global_scale, dev, None)
-    xp = _t("x", x, _BF16, (m, HIDDEN), dev)
+    a = {"x": _t("x", x, _BF16, _ROWS[m], dev)}
+    fmt, n = _weight(a, weight, weight_scale, global_scale, dev, None)
     k = _launcher(dev, "gemv", fmt, lambda: abi.gemv_spec(fmt))
     y = torch.empty(m, n, dtype=_BF16, device=x.device)
-    k.pack({**args, "x": xp, "y": y.data_ptr(), "m": m, "n": n})
+    a.update(y=y.data_ptr(), m=m, n=n)
+    k.pack(a)
     k.launch(n // abi.ROWS_PER_CTA, _raw_stream(dev), _options().pdl)
     return y
 
@@ -428,12 +443,13 @@ def qk_norm_rope_cache(
     nq, nkv = _heads(num_q_heads, num_kv_heads)
     n = (nq + 2 * nkv) * HEAD_DIM
     m, dev = _x(qkv, "qkv", n)
-    checked = _options().bounds_check
-    args, rope, kv = _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
-                               k_cache, v_cache, slot_mapping, k_scale, v_scale, checked)  # fmt: skip
-    xp = _t("qkv", qkv, _BF16, (m, n), dev)
+    a = {"qkv": _t("qkv", qkv, _BF16, (m, n), dev), "num_q_heads": nq, "num_kv_heads": nkv}
+    rope, kv = _epilogue(a, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
+                         k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                         _options().bounds_check)  # fmt: skip
     k = _launcher(dev, "qk_norm_rope_cache", (rope, kv), lambda: abi.qk_norm_rope_cache_spec(rope, kv))
     q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=qkv.device)
-    k.pack({**args, "qkv": xp, "q": q.data_ptr(), "num_q_heads": nq, "num_kv_heads": nkv})
+    a["q"] = q.data_ptr()
+    k.pack(a)
     k.launch(nq + 2 * nkv, _raw_stream(dev), _options().pdl)
     return q
