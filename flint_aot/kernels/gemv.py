@@ -40,7 +40,7 @@ def kernel(spec: dict):
 
 def compile(spec: dict, arch: str, entry_prefix: str):
     fmt = spec["weight_format"]
-    ptr_types = {"weight_scale": (cutlass.Uint8, 16), "global_scale": (Float32, 16)}
+    ptr_types = {"weight_scale": (cutlass.Uint8, 4), "global_scale": (Float32, 4)}
     if fmt == "nvfp4":
         ptr_types["weight"] = (cutlass.Uint8, 16)
     return compile_kernel(kernel(spec), kind="gemv", arch=arch, entry_prefix=entry_prefix,

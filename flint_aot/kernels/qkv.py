@@ -235,8 +235,8 @@ def compile(spec: dict, arch: str, entry_prefix: str):
     prologue = spec.get("norm", "separate") == "prologue"
     cache = (cutlass.Uint8, 1) if fp8 else (BFloat16, 2)
     ptr_types = {
-        "weight": (cutlass.Uint8 if fp4 else BFloat16, 16), "weight_scale": (cutlass.Uint8, 16),
-        "global_scale": (Float32, 16), "cos_sin_cache": (Float32, 16), "positions": (Int64, 8),
+        "weight": (cutlass.Uint8 if fp4 else BFloat16, 16), "weight_scale": (cutlass.Uint8, 4),
+        "global_scale": (Float32, 4), "cos_sin_cache": (Float32, 16), "positions": (Int64, 8),
         "slot_mapping": (Int64, 8), "k_cache": cache, "v_cache": cache, "k_scale": (Float32, 4),
         "v_scale": (Float32, 4),
     }  # fmt: skip
