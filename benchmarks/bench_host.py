@@ -6,8 +6,8 @@ same run (BENCHMARKS.md "Host cost per call").
 Each row: best of 5 loops of --calls back-to-back calls (synchronized before and after each loop), divided by
 the number of calls. The calls are host-bound (their GPU work is a few µs), so this is the time the Python
 path costs. The first call of the process (cubin loads) is reported apart. The fused op is measured with the
-design the loader picks (prologue when the bundle has it) and with the two-kernel design
-(launch_options(design="separate")).
+design the loader picks (the two-kernel design when the bundle has it) and with the prologue design
+(launch_options(design="prologue")).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     loader.load_bundle(a.bundle)
-    has_prologue = any(e.spec.get("norm") == "prologue" for e in loader.current_bundle().manifest.kernels)
+    designs = {e.spec.get("norm") for e in loader.current_bundle().manifest.kernels if e.kind == "qkv"}
+    has_separate = "separate" in designs
 
     # first call of the process: module load (sha256 + ELF check + cuModuleLoadData) included
     c = case(1, 32, 4, "bf16", "bf16", g)
@@ -129,7 +130,7 @@ def main():
                          per_call(lambda: torch.ops.flint.gemv(x, w, ws, gs), a.calls)))  # fmt: skip
             for kv in ("bf16", "fp8_e4m3"):
                 c = case(m, 32, 4, fmt, kv, g)
-                design = "prologue" if has_prologue else "separate"
+                design = "separate" if has_separate else "prologue"
                 rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache {kv}", design,
                              per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
                 if kv == "bf16":
@@ -148,12 +149,12 @@ def main():
                 rows.append((f"torch.ops.flint.qk_norm_rope_cache M={m} cache {kv}", "",
                              per_call(lambda: torch.ops.flint.qk_norm_rope_cache(qkv, **qa),
                                       a.calls)))  # fmt: skip
-    if has_prologue:
-        with loader.launch_options(design="separate"):
+    if has_separate and "prologue" in designs:
+        with loader.launch_options(design="prologue"):
             for m in (1, 8):
                 for fmt in ("bf16", "nvfp4"):
                     c = case(m, 32, 4, fmt, "bf16", g)
-                    rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache bf16", "separate",
+                    rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache bf16", "prologue",
                                  per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
     lines = ["| call | design | host µs per call |", "|---|---|---|"]
     lines += [f"| `{name}` | {design} | {us:.1f} |" for name, design, us in rows]

@@ -279,13 +279,22 @@ def _norm_args(a: dict, x, residual, weight, eps, m: int, dev: int) -> Tensor:
     return res_out
 
 
-def _launch_norm(a: dict, x: Tensor, m: int, dev: int, has_res: bool, stream: int, pdl: bool) -> Tensor:
+def _norm_kernel(a: dict, x: Tensor, m: int, dev: int, has_res: bool) -> tuple:
+    """The norm kernel's launcher, packed (arguments from a) with a new xn, and xn."""
     k = _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
     xn = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
     k.pack({"x": a["x"], "residual": a["residual"], "residual_out": a["residual_out"], "xn": xn.data_ptr(),
             "weight": a["norm_weight"], "eps": a["eps"]})  # fmt: skip
-    k.launch(m, stream, pdl)
-    return xn
+    return k, xn
+
+
+def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
+    m, dev = _x(x)
+    a: dict = {}
+    res_out = _norm_args(a, x, residual, weight, eps, m, dev)
+    k, xn = _norm_kernel(a, x, m, dev, residual is not None)
+    k.launch(m, _raw_stream(dev), _options().pdl)
+    return xn, res_out
 
 
 # ----------------------------------------------------------------------------- input norm
@@ -294,10 +303,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     (docs/api.md §4)."""
     if _compiling():
         return torch.ops.flint.rms_norm(x, weight, eps)
-    m, dev = _x(x)
-    a: dict = {}
-    _norm_args(a, x, None, weight, eps, m, dev)
-    return _launch_norm(a, x, m, dev, False, _raw_stream(dev), _options().pdl)
+    return _norm(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -306,10 +312,7 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
         return torch.ops.flint.fused_add_rms_norm(x, residual, weight, eps)
     if residual is None:
         raise TypeError("residual must be a tensor (use rms_norm when there is none)")
-    m, dev = _x(x)
-    a: dict = {}
-    res_out = _norm_args(a, x, residual, weight, eps, m, dev)
-    return _launch_norm(a, x, m, dev, True, _raw_stream(dev), _options().pdl), res_out
+    return _norm(x, residual, weight, eps)
 
 
 # ----------------------------------------------------------------------------- fused qkv
@@ -377,8 +380,9 @@ def flint_qkv_fused(
     res_out = _norm_args(a, x, residual, norm_weight, eps, m, dev)
     rope, kv = _epilogue(a, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
                          k_cache, v_cache, slot_mapping, k_scale, v_scale, opts.bounds_check)  # fmt: skip
-    # one kernel per layer when the bundle has the prologue design, else the norm kernel + the qkv kernel
-    designs = (opts.design,) if opts.design else ("prologue", "separate")
+    # the two-kernel design (norm kernel + qkv kernel) unless asked otherwise or not built: it measures faster
+    # than the prologue design on the H200 (BENCHMARKS.md §1)
+    designs = (opts.design,) if opts.design else ("separate", "prologue")
     k = _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, designs), lambda: [
         abi.qkv_spec(fmt, rope, nq, nkv, kv, norm) for norm in designs])  # fmt: skip
     q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=x.device)
@@ -386,10 +390,12 @@ def flint_qkv_fused(
     stream, has_res = _raw_stream(dev), residual is not None
     if k.entry.spec["norm"] == "prologue":
         a["has_residual"] = int(has_res)
-    else:  # the norm kernel writes xn, which the qkv kernel reads as its x
-        a["x"] = _launch_norm(a, x, m, dev, has_res, stream, opts.pdl).data_ptr()
-        a.update(residual=0, residual_out=0, norm_weight=0, eps=0.0, has_residual=0)
-    k.pack(a)
+        k.pack(a)
+    else:  # the norm kernel writes xn, which the qkv kernel reads as x; both packed before either launches
+        nk, xn = _norm_kernel(a, x, m, dev, has_res)
+        a.update(x=xn.data_ptr(), residual=0, residual_out=0, norm_weight=0, eps=0.0, has_residual=0)
+        k.pack(a)
+        nk.launch(m, stream, opts.pdl)
     k.launch(n // abi.ROWS_PER_CTA, stream, opts.pdl)
     return q, res_out
 

@@ -52,7 +52,7 @@ def _check(result, what: str):
 class LaunchOptions:
     pdl: bool = True  # programmatic stream serialization: a kernel's weight stream overlaps its predecessor
     bounds_check: bool = False  # checked mode: raise on positions / slots the kernels would skip
-    design: str | None = None  # flint_qkv_fused: "prologue" / "separate"; None: prologue when built
+    design: str | None = None  # flint_qkv_fused: "separate" / "prologue"; None: separate when built
 
 
 _options = contextvars.ContextVar("flint_launch", default=LaunchOptions())  # noqa: B039 (frozen)
@@ -64,8 +64,9 @@ def launch_options(*, pdl: bool | None = None, bounds_check: bool | None = None,
     (docs/api.md §9): `pdl=False` launches without the PDL attribute (A/B measurements); `bounds_check=True`
     is checked mode (positions outside the cos/sin table, slots outside the cache and duplicate slots raise
     ValueError; one device-to-host copy per call; not usable inside CUDA-graph capture); `design="separate"`
-    or `"prologue"` makes flint_qkv_fused use that design (LookupError if the bundle lacks it) instead of
-    the prologue design whenever the bundle has it."""
+    or `"prologue"` makes flint_qkv_fused use that design (LookupError if the bundle lacks it); by default
+    it runs the two-kernel design when the bundle has it (the faster one, BENCHMARKS.md §1), else the
+    prologue design."""
     if design not in (None, *NORM_MODES):
         raise ValueError(f"design must be one of {NORM_MODES} or None, got {design!r}")
     cur = _options.get()
@@ -194,6 +195,8 @@ def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
             if entry.dyn_smem > 0:
                 a = attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 _check(cu.cuFuncSetAttribute(fn, a, entry.dyn_smem), "cuFuncSetAttribute(dynamic smem)")
+                a = attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT  # all of L1 as shared memory:
+                _check(cu.cuFuncSetAttribute(fn, a, 100), "cuFuncSetAttribute(carveout)")  # most CTAs per SM
         except Exception:
             cu.cuModuleUnload(module)
             raise

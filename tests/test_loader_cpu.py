@@ -182,22 +182,24 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
     import loader
 
     entries = _default_bundle_entries()
-    for with_prologue in (True, False):
-        dry = _DryRun(monkeypatch, [e for e in entries if with_prologue or e.spec.get("norm") != "prologue"])
-        for e in entries:
+    for subset in ("both designs", "prologue design only"):
+        chosen = [e for e in entries if subset == "both designs" or e.spec.get("norm") != "separate"]
+        dry = _DryRun(monkeypatch, chosen)
+        for e in chosen:
             dry.launched.clear()
             s = e.spec
             if e.kind == "qkv":
-                if s["norm"] == "prologue" and not with_prologue:
-                    continue
                 nq, nkv = s["heads"]
                 c = _qkv_inputs(3, nq, nkv, s["weight_format"], s["rope"], s["kv_cache_dtype"])
-                q, r = loader.flint_qkv_fused(**c)
-                kinds = [x.kind for x, _, _ in dry.launched]
-                assert kinds == (["qkv"] if with_prologue else ["norm", "qkv"]), kinds
-                got = dry.launched[-1][0]
-                assert got.spec == dict(s, norm="prologue" if with_prologue else "separate")
-                assert q.shape == (3, nq * 128) and r.shape == (3, 2048)
+                for design in (None, s["norm"]):  # the loader's choice, then this entry's design asked for
+                    dry.launched.clear()
+                    with loader.launch_options(design=design):
+                        q, r = loader.flint_qkv_fused(**c)
+                    want = design or ("separate" if subset == "both designs" else "prologue")
+                    kinds = [x.kind for x, _, _ in dry.launched]
+                    assert kinds == (["norm", "qkv"] if want == "separate" else ["qkv"]), kinds
+                    assert dry.launched[-1][0].spec == dict(s, norm=want)
+                    assert q.shape == (3, nq * 128) and r.shape == (3, 2048)
             elif e.kind == "norm":
                 x, w = torch.randn(2, 2048).bfloat16(), torch.ones(2048).bfloat16()
                 if s["residual"]:
@@ -212,8 +214,10 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
             else:
                 c = _qkv_inputs(2, 8, 1, "bf16", s["rope"], s["kv_cache_dtype"])
                 keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache",
-                        "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads", "k_scale", "v_scale")  # fmt: skip
-                loader.qk_norm_rope_cache(torch.randn(2, 1280).bfloat16(), **{k: c[k] for k in keys if k in c})
+                        "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads", "k_scale",
+                        "v_scale")  # fmt: skip
+                qkv = torch.randn(2, 1280).bfloat16()
+                loader.qk_norm_rope_cache(qkv, **{k: c[k] for k in keys if k in c})
                 assert [x.name for x, _, _ in dry.launched] == [e.name]
 
 
