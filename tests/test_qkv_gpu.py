@@ -21,12 +21,22 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.gpu
 KV = ["bf16", "fp8_e4m3"]
+DESIGNS = ["separate", "prologue"]  # the input norm in its own kernel, or in the qkv kernel's prologue
 
 
+def _has_design(bundle, design) -> bool:
+    return any(e.kind == "qkv" and e.spec.get("norm", "separate") == design for e in bundle.manifest.kernels)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m", range(1, 9))
-def test_every_variant(gpu_bundle, m, fmt, kv):
+def test_every_variant(gpu_bundle, m, fmt, kv, design):
+    import loader
+
+    if not _has_design(gpu_bundle, design):
+        pytest.skip(f"the bundle has no {design}-design qkv kernels")
     vs = variants(gpu_bundle, fmt, kv)
     assert vs, f"the bundle has no {fmt} qkv kernels with a {kv} KV cache"
     for i, (rope, (nq, nkv)) in enumerate(vs):
@@ -35,9 +45,40 @@ def test_every_variant(gpu_bundle, m, fmt, kv):
             kv_dtype=kv, cache_u8=(i % 2 == 1),
         )  # fmt: skip
         kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
-        q, res_out = run(c)
+        with loader.launch_options(design=design):
+            q, res_out = run(c)
         torch.cuda.synchronize()
         check(c, q, res_out, kb, vb)
+
+
+@pytest.mark.parametrize("kv", KV)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_designs_bit_identical(gpu_bundle, fmt, kv):
+    """The prologue design computes the input norm with the norm kernel's roundings and summation order, and
+    then runs the same GEMV and epilogue: q, residual_out and every cache byte (written or not) must equal
+    the two-kernel design's, for every variant, M = 1, 4, 8, with and without a residual."""
+    import loader
+
+    if not all(_has_design(gpu_bundle, d) for d in DESIGNS):
+        pytest.skip("the bundle lacks one of the two designs")
+    for i, (rope, (nq, nkv)) in enumerate(variants(gpu_bundle, fmt, kv)):
+        for m in (1, 4, 8):
+            for residual in (True, False):
+                c = make_case(
+                    m, nq, nkv, rope, seed=3000 + 10 * m + i, residual=residual, fmt=fmt, kv_dtype=kv
+                )
+                outs = []
+                for design in DESIGNS:
+                    poison_cache_(c["k_cache"])
+                    poison_cache_(c["v_cache"])
+                    with loader.launch_options(design=design):
+                        q, r = run(c)
+                    torch.cuda.synchronize()
+                    outs.append(
+                        [t.contiguous().view(torch.uint8).clone() for t in (q, r, c["k_cache"], c["v_cache"])]
+                    )
+                for what, a, b in zip(("q", "residual_out", "k_cache", "v_cache"), *outs, strict=True):
+                    assert torch.equal(a, b), (what, fmt, kv, rope, nq, nkv, m, residual)
 
 
 @pytest.mark.parametrize("kv", KV)
