@@ -1,4 +1,4 @@
-"""Peer benchmark (BENCHMARKS.md §2): per-layer time of the fused op against the unfused paths a user could
+"""Peer benchmark (BENCHMARKS.md §3): per-layer time of the fused op against the unfused paths a user could
 pick,
 all in one run, same harness as bench_qkv.py (CUDA-graph replay of many layers with distinct weights,
 medians, copy bandwidth measured in the same run).
