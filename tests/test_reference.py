@@ -424,7 +424,7 @@ def test_qkv_fused_ref_chain():
     q, k, v = ref.qk_norm_rope_ref(qkv.bfloat16(), qw, kw, qk_eps, table, pos, nq, nkv)
     assert torch.equal(out["q"], q) and torch.equal(out["k"], k) and torch.equal(out["v"], v)
     assert torch.equal(v.reshape(m, -1), qkv[:, (nq + nkv) * 128:].bfloat16().double())
-    # an fp32 chain stays within the SPEC tolerance of the float64 one
+    # an fp32 chain stays within the tolerance of docs/numerics.md §6 of the float64 one
     out32 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv,
                               dtype=torch.float32)
     out64 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv)
