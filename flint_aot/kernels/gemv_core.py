@@ -180,7 +180,8 @@ def issue_fp4_loads(wq, sf, row0, tid):
         for c in range(FP4_CHUNKS):
             words.extend(ld_weight(a + 64 * c))
         codes.append(words)
-        # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2 (docs/nvfp4.md §3 offsets)
+        # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2
+        # (the offsets of docs/nvfp4.md §3)
         grp = (r // 128) * (SCALE_COLS // 4) + warp * 8 + t // 2
         s = sf + (grp * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4)
         scales.append([ld_weight_b32(s + 1024 * c) for c in range(FP4_CHUNKS)])
