@@ -171,3 +171,44 @@ def test_fused_equals_unfused(gpu_bundle, fmt, capsys):
     with capsys.disabled():
         print(f"\n[fused vs unfused, {fmt}] q/k elements that differ (by 1 ulp): {differ}/{total} "
               f"= {100 * differ / total:.3f} %")  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_fused_equals_unfused_fp8_cache(gpu_bundle, fmt, capsys):
+    """FP8 caches: the same slots written by both paths, v bytes identical (v is the GEMV's bf16 value in
+    both), k bytes identical except where the two paths' bf16 k differ by their allowed one bf16 ulp
+    (docs/numerics.md §5) and that ulp crosses an e4m3 rounding boundary: then by one e4m3 step."""
+    import loader
+
+    vs = variants(gpu_bundle, fmt, "fp8_e4m3")
+    assert vs, f"the bundle has no {fmt} qkv kernels with an FP8 cache"
+    differ = total = 0
+    for i, (rope, (nq, nkv)) in enumerate(vs):
+        for m in (1, 4, 8):
+            c = make_case(
+                m, nq, nkv, rope, seed=950 + 10 * i + m, residual=(m != 4), fmt=fmt, kv_dtype="fp8_e4m3"
+            )
+            u = {k: (v.clone() if k in ("k_cache", "v_cache") else v) for k, v in c.items()}
+            loader.flint_qkv_fused(**op_args(c))
+            if c["residual"] is None:
+                xn = loader.rms_norm(c["x"], c["norm_weight"], c["eps"])
+            else:
+                xn = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])[0]
+            qkv = loader.gemv(xn, c["weight"], c["weight_scale"], c["global_scale"])
+            loader.qk_norm_rope_cache(**qk_args(u, qkv))
+            torch.cuda.synchronize()
+            assert torch.equal(c["v_cache"].view(torch.uint8), u["v_cache"].view(torch.uint8)), (
+                "v bytes differ"
+            )
+            kf, ku = c["k_cache"].view(torch.uint8), u["k_cache"].view(torch.uint8)
+            assert torch.equal(kf == FP8_CACHE_POISON, ku == FP8_CACHE_POISON), "different slots written"
+            d = kf != ku
+            if d.any():  # one e4m3 step: neighbouring codes of the same sign
+                a, b = kf[d].to(torch.int16), ku[d].to(torch.int16)
+                assert torch.equal(a & 0x80, b & 0x80) and ((a & 0x7F) - (b & 0x7F)).abs().max().item() <= 1
+            differ += d.sum().item()
+            total += (kf != FP8_CACHE_POISON).sum().item()
+    with capsys.disabled():
+        print(
+            f"\n[fused vs unfused, {fmt}, FP8 cache] k bytes that differ (by one e4m3 step): {differ}/{total}"
+        )
