@@ -294,14 +294,14 @@ def test_bad_fp8_cache_inputs_raise_and_write_nothing(gpu_bundle):
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_fp8_cache_bytes_from_the_bf16_values(gpu_bundle, fmt):
     """An FP8 cache holds, bit for bit, e4m3(bf16 value / scale) (round to nearest even, saturated at ±448) of
-    the values the same call writes into a BF16 cache; q is bit-identical."""
+    the values the same call writes into a BF16 cache; q is bit-identical. Every FP8 variant, M = 1..8."""
     have16 = set(variants(gpu_bundle, fmt, "bf16"))
     both = [v for v in variants(gpu_bundle, fmt, "fp8_e4m3") if v in have16]
     assert both, f"the bundle has no {fmt} qkv variant with both a BF16 and an FP8 KV cache"
     for i, (rope, (nq, nkv)) in enumerate(both):
-        for m in (1, 8):
+        for m in range(1, 9):
             seed = 5000 + 10 * i + m
-            c8 = make_case(m, nq, nkv, rope, seed=seed, fmt=fmt, kv_dtype="fp8_e4m3", cache_u8=(m == 8))
+            c8 = make_case(m, nq, nkv, rope, seed=seed, fmt=fmt, kv_dtype="fp8_e4m3", cache_u8=(m % 2 == 0))
             c16 = make_case(m, nq, nkv, rope, seed=seed, fmt=fmt)
             q8, r8 = run(c8)
             q16, r16 = run(c16)
