@@ -64,8 +64,13 @@ GEMV_CASES = [("qkv", fmt, kv, norm) for fmt in ("bf16", "nvfp4") for norm in ("
     ("gemv", "bf16", None, None), ("gemv", "nvfp4", None, None)]
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("kind,fmt,kv,norm", GEMV_CASES)
+# every case on sm_90a (the GPUs we run on); on sm_100a (built, never run here) one per kind and format
+ARCH_CASES = [(*c, "sm_90a") for c in GEMV_CASES] + [
+    (*c, "sm_100a") for c in GEMV_CASES if c[2] in (None, "bf16") and c[3] in (None, "separate")
+]
+
+
+@pytest.mark.parametrize("kind,fmt,kv,norm,arch", ARCH_CASES)
 def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, arch):
     from loader import abi
 
