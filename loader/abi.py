@@ -38,7 +38,6 @@ GRID = {
 
 # C types of kernel parameters: name -> (size, alignment); the loader packs them with natural alignment.
 PARAM_TYPES = {"ptr": (8, 8), "i32": (4, 4), "i64": (8, 8), "f32": (4, 4)}
-INT_RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "i64": (-(1 << 63), (1 << 63) - 1)}
 F32_MAX = 3.4028234663852886e38
 
 

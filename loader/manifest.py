@@ -12,14 +12,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 
+# the parameter C types the loader packs, the symbols of grid rules and the archs: defined in loader.abi
+from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_CC re-exported)
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-
-# Kernel parameter types the loader knows how to pack: name -> (ctypes-ish size, alignment).
-PARAM_TYPES = {"ptr": (8, 8), "i32": (4, 4), "i64": (8, 8), "f32": (4, 4)}
-# Symbols a grid rule may use; the loader supplies their values at launch.
-GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS")
-ARCH_CC = {"sm_90a": (9, 0), "sm_100a": (10, 0)}
 
 
 class ManifestError(ValueError):

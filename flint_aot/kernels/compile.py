@@ -12,7 +12,6 @@ import inspect
 import tempfile
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -89,6 +88,3 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
     return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem)
-
-
-__all__ = ["Compiled", "compile_kernel", "kernel_params", "cutlass"]
