@@ -3,11 +3,13 @@ same run (BENCHMARKS.md "Host cost per call").
 
     PYTHONPATH=. python3 benchmarks/bench_host.py [--bundle build/flint] [--calls 3000] [--out host.md]
 
-Each row: best of 5 loops of --calls back-to-back calls (synchronized before and after each loop), divided by
+Each row: best of 7 loops of --calls back-to-back calls (synchronized before and after each loop), divided by
 the number of calls. The calls are host-bound (their GPU work is a few µs), so this is the time the Python
 path costs. The first call of the process (cubin loads) is reported apart. The fused op is measured with the
-design the loader picks (the two-kernel design when the bundle has it) and with the prologue design
-(launch_options(design="prologue")).
+design the loader picks for eager calls (the prologue design when the bundle has it) and with the two-kernel
+design (launch_options(design="separate"), the one it picks inside CUDA-graph capture), through torch.ops
+(keywords, positional) beside a no-op custom op of the same schema (the dispatcher's own cost), and under
+torch.inference_mode.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from loader.reference import make_cos_sin_cache
 K, D = 2048, 128
 
 
-def per_call(fn, calls: int, loops: int = 5) -> float:
+def per_call(fn, calls: int, loops: int = 7) -> float:
     best = float("inf")
     for _ in range(loops):
         torch.cuda.synchronize()
@@ -62,6 +64,23 @@ def case(m: int, nq: int, nkv: int, fmt: str, kv: str, g):
     return c
 
 
+QKV_ARGS = ("x", "residual", "norm_weight", "eps", "weight", "weight_scale", "global_scale", "q_norm_weight",
+            "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache", "v_cache", "slot_mapping",
+            "num_q_heads", "num_kv_heads")  # fmt: skip
+
+
+def _same_schema_noop():
+    """A custom op with torch.ops.flint.qkv_fused's schema whose Python implementation returns at once: the
+    dispatcher's own cost for this many arguments (registered the same way as the flint ops)."""
+    lib = torch.library.Library("flint_bench", "FRAGMENT")
+    schema = str(torch.ops.flint.qkv_fused.default._schema)
+    lib.define("noop" + schema[schema.index("(") :])
+    out = torch.empty(0, device="cuda"), torch.empty(0, device="cuda")
+    lib.impl("noop", lambda *args, **kwargs: out, "CUDA")
+    _same_schema_noop.lib = lib  # kept alive
+    return torch.ops.flint_bench.noop.default
+
+
 def torch_eager_op(c, w_dense):
     """The op written in eager torch: add, 3 RMSNorms, a matmul, 2 index_copy_ (what a user would write)."""
     nq, nkv = c["num_q_heads"], c["num_kv_heads"]
@@ -89,7 +108,8 @@ def main():
     rows = []
     loader.load_bundle(a.bundle)
     designs = {e.spec.get("norm") for e in loader.current_bundle().manifest.kernels if e.kind == "qkv"}
-    has_separate = "separate" in designs
+    eager_design = "prologue" if "prologue" in designs else "separate"  # the loader's eager default
+    floor = _same_schema_noop()
 
     # first call of the process: module load (sha256 + ELF check + cuModuleLoadData) included
     c = case(1, 32, 4, "bf16", "bf16", g)
@@ -130,12 +150,28 @@ def main():
                          per_call(lambda: torch.ops.flint.gemv(x, w, ws, gs), a.calls)))  # fmt: skip
             for kv in ("bf16", "fp8_e4m3"):
                 c = case(m, 32, 4, fmt, kv, g)
-                design = "separate" if has_separate else "prologue"
-                rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache {kv}", design,
+                name = f"{fmt} M={m} cache {kv}"
+                rows.append((f"loader.flint_qkv_fused {name}", eager_design,
                              per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
-                if kv == "bf16":
-                    rows.append((f"torch.ops.flint.qkv_fused {fmt} M={m} cache {kv}", design,
-                                 per_call(lambda: torch.ops.flint.qkv_fused(**c), a.calls)))  # fmt: skip
+                if kv != "bf16":
+                    continue
+                if len(designs) == 2:
+                    with loader.launch_options(design="separate"):
+                        rows.append((f"loader.flint_qkv_fused {name}", "separate",
+                                     per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
+                args = [c[k] for k in QKV_ARGS]
+                rows.append((f"torch.ops.flint.qkv_fused {name}", eager_design,
+                             per_call(lambda: torch.ops.flint.qkv_fused(**c), a.calls)))  # fmt: skip
+                rows.append((f"torch.ops.flint.qkv_fused {name}, positional", eager_design,
+                             per_call(lambda: torch.ops.flint.qkv_fused(*args), a.calls)))  # fmt: skip
+                rows.append((f"a no-op with qkv_fused's schema, positional, M={m}", "",
+                             per_call(lambda: floor(*args), a.calls)))  # fmt: skip
+                with torch.inference_mode():
+                    rows.append((f"loader.flint_qkv_fused {name}, inference_mode", eager_design,
+                                 per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
+                    rows.append((f"torch.ops.flint.qkv_fused {name}, positional, inference_mode",
+                                 eager_design, per_call(lambda: torch.ops.flint.qkv_fused(*args),
+                                                        a.calls)))  # fmt: skip
         for kv in ("bf16", "fp8_e4m3"):
             c = case(m, 32, 4, "bf16", kv, g)
             qkv = torch.randn(m, (32 + 8) * D, device="cuda").bfloat16()
@@ -149,13 +185,6 @@ def main():
                 rows.append((f"torch.ops.flint.qk_norm_rope_cache M={m} cache {kv}", "",
                              per_call(lambda: torch.ops.flint.qk_norm_rope_cache(qkv, **qa),
                                       a.calls)))  # fmt: skip
-    if has_separate and "prologue" in designs:
-        with loader.launch_options(design="prologue"):
-            for m in (1, 8):
-                for fmt in ("bf16", "nvfp4"):
-                    c = case(m, 32, 4, fmt, "bf16", g)
-                    rows.append((f"loader.flint_qkv_fused {fmt} M={m} cache bf16", "prologue",
-                                 per_call(lambda: loader.flint_qkv_fused(**c), a.calls)))  # fmt: skip
     lines = ["| call | design | host µs per call |", "|---|---|---|"]
     lines += [f"| `{name}` | {design} | {us:.1f} |" for name, design, us in rows]
     table = "\n".join(lines)

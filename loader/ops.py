@@ -51,6 +51,8 @@ def _t(name: str, t, dtype, shape: tuple, dev: int, align: int = 16) -> int:
 
 
 def _eps(name: str, v) -> float:
+    if type(v) is float and 0 <= v <= F32_MAX:
+        return v
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a Python float, got {type(v).__name__}")
     if not 0 <= v <= F32_MAX:  # also refuses NaN, and values that are infinite as the kernel's fp32
@@ -58,8 +60,15 @@ def _eps(name: str, v) -> float:
     return float(v)
 
 
-def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int]:
-    """(M, device index) of activations: a 2-D tensor [M, cols] on a CUDA device, 1 <= M <= 8."""
+def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int, int]:
+    """(M, device index, data_ptr) of activations: a contiguous bf16 [M, cols] on a CUDA device, 16-byte
+    aligned, 1 <= M <= 8."""
+    if isinstance(x, Tensor) and x.dtype is _BF16:
+        s = x.shape
+        if len(s) == 2 and s[1] == cols and 0 < s[0] <= MAX_M and x.is_contiguous():
+            dev, p = x.get_device(), x.data_ptr()
+            if dev >= 0 and not p % 16:
+                return s[0], dev, p
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     s = x.shape
@@ -68,7 +77,7 @@ def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int]:
     dev = x.get_device()
     if dev < 0:
         raise ValueError(f"{name} must be on a CUDA device, got {x.device}")
-    return s[0], dev
+    return s[0], dev, _t(name, x, _BF16, s, dev)
 
 
 def _heads(nq, nkv) -> tuple[int, int]:
@@ -84,9 +93,9 @@ def _heads(nq, nkv) -> tuple[int, int]:
     return nq, nkv
 
 
-def _weight(a: dict, weight, weight_scale, global_scale, dev: int, n: int | None) -> tuple[str, int]:
-    """(format, N) of a BF16 or NVFP4 weight of n rows (when n is None: any multiple of 16 up to
-    abi.MAX_GEMV_ROWS); its kernel arguments go into a. BF16 kernels never read the scale pointers (they get
+def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tuple:
+    """(format, N, weight, weight_scale, global_scale pointers) of a BF16 or NVFP4 weight of n rows (when n is
+    None: any multiple of 16 up to abi.MAX_GEMV_ROWS). BF16 kernels never read the scale pointers (they get
     the weight's)."""
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -105,18 +114,15 @@ def _weight(a: dict, weight, weight_scale, global_scale, dev: int, n: int | None
     if fmt == "bf16":
         if weight_scale is not None or global_scale is not None:
             raise ValueError("weight_scale and global_scale must be None for a BF16 weight")
-        a["weight"] = a["weight_scale"] = a["global_scale"] = w
-        return fmt, n
+        return fmt, n, w, w, w
     if weight_scale is None or global_scale is None:
         raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
     sdt = weight_scale.dtype if isinstance(weight_scale, Tensor) else None
     if sdt is not _E4M3 and sdt is not _U8:
         raise TypeError(f"weight_scale must be a torch.float8_e4m3fn (or torch.uint8 view) tensor, got {sdt}")
     n_pad = -(-n // 128) * 128  # the 128x4 swizzle pads rows to a multiple of 128
-    a["weight"] = w
-    a["weight_scale"] = _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
-    a["global_scale"] = _scalar("global_scale", global_scale, dev)
-    return fmt, n
+    ws = _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
+    return fmt, n, w, ws, _scalar("global_scale", global_scale, dev)
 
 
 def _scalar(name: str, t, dev: int) -> int:
@@ -194,54 +200,63 @@ def _disjoint(k: Tensor, v: Tensor, nb: int, bs: int, nkv: int, st) -> bool:
     return r >= extent and (q + 1 >= nb or st[0] - r >= extent)
 
 
-def _epilogue(a, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache,
-              v_cache, slot_mapping, k_scale, v_scale, checked) -> tuple[bool, str]:  # fmt: skip
-    """RoPE on/off and cache dtype of the per-head stage (flint_qkv_fused, qk_norm_rope_cache); its kernel
-    arguments go into a."""
-    if cos_sin_cache is not None:
-        if cos_sin_cache is _NO_ROPE.get(dev):
-            raise ValueError("cos_sin_cache is loader.no_rope_table(), a placeholder: pass None for no RoPE")
-        is2d = isinstance(cos_sin_cache, Tensor) and cos_sin_cache.dim() == 2
-        max_pos = cos_sin_cache.shape[0] if is2d else 0
-        if not 1 <= max_pos <= _I32_MAX:
-            raise ValueError("cos_sin_cache must be None or fp32 [max_pos, 128] with 1 <= max_pos < 2**31")
-        cs = _t("cos_sin_cache", cos_sin_cache, _F32, torch.Size([max_pos, HEAD_DIM]), dev)
-    else:
-        max_pos, cs = 1, _no_rope(dev).data_ptr()
-    if not isinstance(slot_mapping, Tensor) or slot_mapping.dim() != 1 or slot_mapping.shape[0] > m:
-        raise ValueError(f"slot_mapping must be a 1-D int64 tensor of at most M = {m} entries")
-    s = slot_mapping.shape[0]
-    nb, bs, st = _cache("k_cache", k_cache, nkv, dev)
-    vst = _cache("v_cache", v_cache, nkv, dev)[2]
-    kdt = k_cache.dtype
-    if v_cache.shape != k_cache.shape or vst != st or v_cache.dtype is not kdt:
+def _caches(k, v, nkv: int, dev: int) -> tuple:
+    """(cache dtype, block_size, num_cache_slots, stride_block, stride_slot, stride_head) of a pair of paged
+    cache views (docs/api.md §7)."""
+    nb, bs, st = _cache("k_cache", k, nkv, dev)
+    vst = _cache("v_cache", v, nkv, dev)[2]
+    kdt = k.dtype
+    if v.shape != k.shape or vst != st or v.dtype is not kdt:
         raise ValueError(f"k_cache and v_cache must have the same shape, strides and dtype, got "
-                         f"{list(k_cache.shape)} {st} {kdt} and {list(v_cache.shape)} {vst} "
-                         f"{v_cache.dtype}")  # fmt: skip
-    if not _disjoint(k_cache, v_cache, nb, bs, nkv, st):
+                         f"{list(k.shape)} {st} {kdt} and {list(v.shape)} {vst} {v.dtype}")  # fmt: skip
+    _check_disjoint(k, v, nb, bs, nkv, st)
+    return "bf16" if kdt is _BF16 else "fp8_e4m3", bs, nb * bs, *st[:3]
+
+
+def _check_disjoint(k, v, nb, bs, nkv, st) -> None:
+    if not _disjoint(k, v, nb, bs, nkv, st):
         raise ValueError("k_cache and v_cache overlap (the same memory, or a block of one inside the "
                          "other's): the kernels would write k and v to the same elements")  # fmt: skip
-    kv = "bf16" if kdt is _BF16 else "fp8_e4m3"
+
+
+def _epilogue(m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache,
+              v_cache, slot_mapping, k_scale, v_scale) -> tuple[bool, str, dict]:  # fmt: skip
+    """Checks the per-head stage's arguments (flint_qkv_fused, qk_norm_rope_cache): RoPE on/off, cache dtype
+    and the kernel arguments that follow from the tensors' shapes and strides."""
+    if cos_sin_cache is None:
+        max_pos = 1
+    else:
+        s = cos_sin_cache.shape if isinstance(cos_sin_cache, Tensor) else ()
+        max_pos = s[0] if len(s) == 2 else 0
+        if not 1 <= max_pos <= _I32_MAX:
+            raise ValueError("cos_sin_cache must be None or fp32 [max_pos, 128] with 1 <= max_pos < 2**31")
+        _t("cos_sin_cache", cos_sin_cache, _F32, (max_pos, HEAD_DIM), dev)
+        _placeholder(cos_sin_cache, dev)
+    s = slot_mapping.shape if isinstance(slot_mapping, Tensor) else ()
+    if len(s) != 1 or s[0] > m:
+        raise ValueError(f"slot_mapping must be a 1-D int64 tensor of at most M = {m} entries")
+    kv, bs, num_slots, s0, s1, s2 = _caches(k_cache, v_cache, nkv, dev)
     if kv == "bf16":
         if k_scale is not None or v_scale is not None:
             raise ValueError("k_scale and v_scale are for FP8 caches only: pass None with a bf16 cache")
-        ks = vs = cs  # never read by a BF16 build
     else:
         if k_scale is None or v_scale is None:
-            raise ValueError(f"an FP8 cache ({kdt}) needs k_scale and v_scale (one-element fp32 tensors)")
-        ks, vs = _kv_scale("k_scale", k_scale, dev, checked), _kv_scale("v_scale", v_scale, dev, checked)
-    a.update(
-        q_norm_weight=_t("q_norm_weight", q_norm_weight, _BF16, _HEAD, dev),
-        k_norm_weight=_t("k_norm_weight", k_norm_weight, _BF16, _HEAD, dev),
-        cos_sin_cache=cs, positions=_t("positions", positions, _I64, _TOKENS[m], dev, align=8),
-        slot_mapping=_t("slot_mapping", slot_mapping, _I64, _TOKENS[s], dev, align=8),
-        k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), k_scale=ks, v_scale=vs, m=m,
-        num_slot_mapping=s, max_pos=max_pos, block_size=bs, num_cache_slots=nb * bs, stride_block=st[0],
-        stride_slot=st[1], stride_head=st[2], qk_eps=_eps("qk_eps", qk_eps),
-    )  # fmt: skip
-    if checked:
-        _check_bounds(positions, slot_mapping, max_pos if cos_sin_cache is not None else None, nb * bs)
-    return cos_sin_cache is not None, kv
+            raise ValueError(f"an FP8 cache ({k_cache.dtype}) needs k_scale and v_scale (one-element fp32 "
+                             "tensors)")  # fmt: skip
+        _kv_scale("k_scale", k_scale, dev, False), _kv_scale("v_scale", v_scale, dev, False)
+    _t("q_norm_weight", q_norm_weight, _BF16, _HEAD, dev)
+    _t("k_norm_weight", k_norm_weight, _BF16, _HEAD, dev)
+    _t("positions", positions, _I64, _TOKENS[m], dev, align=8)
+    _t("slot_mapping", slot_mapping, _I64, s, dev, align=8)
+    _eps("qk_eps", qk_eps)
+    consts = dict(m=m, num_slot_mapping=s[0], max_pos=max_pos, block_size=bs, num_cache_slots=num_slots,
+                  stride_block=s0, stride_slot=s1, stride_head=s2)  # fmt: skip
+    return cos_sin_cache is not None, kv, consts
+
+
+def _placeholder(cos_sin_cache, dev: int) -> None:
+    if cos_sin_cache is _NO_ROPE.get(dev):
+        raise ValueError("cos_sin_cache is loader.no_rope_table(), a placeholder: pass None for no RoPE")
 
 
 def _check_bounds(positions, slot_mapping, max_pos, num_slots):
@@ -264,40 +279,147 @@ def _check_bounds(positions, slot_mapping, max_pos, num_slots):
                              "own slot")  # fmt: skip
 
 
-def _norm_args(a: dict, x, residual, weight, eps, m: int, dev: int) -> Tensor:
-    """The input norm's kernel arguments (norm kernel or prologue) into a; returns residual_out (a new
-    tensor, or x itself without a residual)."""
-    a["x"] = _t("x", x, _BF16, _ROWS[m], dev)
-    a["norm_weight"] = _t("norm_weight", weight, _BF16, _HIDDEN, dev)
-    a["eps"] = _eps("eps", eps)
-    if residual is None:
-        a["residual"] = a["residual_out"] = a["x"]
-        return x
-    a["residual"] = _t("residual", residual, _BF16, _ROWS[m], dev)
-    res_out = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
-    a["residual_out"] = res_out.data_ptr()
-    return res_out
+# ----------------------------------------------------------------------------- argument plans
+# A call's checks split in two: what follows from its tensors' metadata (dtype, device, shape, strides) and
+# what follows from their data pointers and values. The first call with new metadata runs every check (the
+# functions above) and leaves a plan: the kernel launchers, the kernel arguments that follow from the
+# metadata, and a guard (torch's C++ TensorGuards, as torch.compile uses) that verifies in one call that later
+# tensors have exactly the plan's dtypes, devices, shapes and strides. A call whose tensors pass the guard
+# re-checks only what depends on pointers and values: alignment, k/v cache overlap, the no-RoPE placeholder,
+# FP8 scale values, scalars. Without TensorGuards (or if it fails its self-test) every call checks in full.
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover
+    _TensorGuards = None
 
 
-def _norm_kernel(a: dict, x: Tensor, m: int, dev: int, has_res: bool) -> tuple:
-    """The norm kernel's launcher, packed (arguments from a) with a new xn, and xn."""
-    k = _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
-    xn = torch.empty(m, HIDDEN, dtype=_BF16, device=x.device)
-    k.pack({"x": a["x"], "residual": a["residual"], "residual_out": a["residual_out"], "xn": xn.data_ptr(),
-            "weight": a["norm_weight"], "eps": a["eps"]})  # fmt: skip
-    return k, xn
+def _guard(tensors):
+    return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                         dynamic_dims_strides=[list(t.stride()) for t in tensors])  # fmt: skip
 
 
-def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
-    m, dev = _x(x)
-    a: dict = {}
-    res_out = _norm_args(a, x, residual, weight, eps, m, dev)
-    k, xn = _norm_kernel(a, x, m, dev, residual is not None)
-    k.launch(m, _raw_stream(dev), _options().pdl)
-    return xn, res_out
+def _guards_work() -> bool:
+    """TensorGuards is private to torch: use it only if it accepts and refuses what the plans rely on."""
+    try:
+        a, b = torch.empty(4, 6), torch.empty(2, 4, 6)[1]
+        g = _guard((a, a))
+        refused = (a.double(), a[:, :5], torch.empty(6, 4).t(), torch.empty(4, 7)[:, :6], a.view(2, 12), 1)
+        return g.check(b, a) and not any(g.check(a, t) or g.check(t, a) for t in refused)
+    except Exception:  # noqa: BLE001 (any failure means: do not use it)
+        return False
+
+
+_GUARDS = _TensorGuards is not None and _guards_work()
+# stand-ins for arguments that are None, one per role (a guard refuses the same tensor twice)
+_N = tuple(torch.empty(0) for _ in range(6))
+_PLANS_PER_KEY = 16
+
+
+class _Plan:
+    __slots__ = ("guard", "dev", "m", "grid", "k", "nk", "pack", "pack_norm", "like", "deltas", "no_rope",
+                 "fp4", "fp8", "max_pos", "num_slots", "values")  # fmt: skip
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+
+def _plan(key: tuple, tensors: tuple, build) -> _Plan:
+    """The plan of the first of this key's plans whose guard passes `tensors`, or build() (every check: raises
+    on bad arguments) made into a new one."""
+    cache = runtime.thread_cache()
+    plans = cache.get(key)
+    if plans:
+        for i, p in enumerate(plans):
+            if p.guard.check(*tensors):
+                if i:
+                    plans.insert(0, plans.pop(i))  # most recently used first
+                return p
+    p = build()
+    if _GUARDS:
+        p.guard = _guard(tensors)
+        if not p.guard.check(*tensors):  # one tensor in two roles: such calls are checked in full each time
+            return p
+        plans = cache.setdefault(key, [])
+        plans.insert(0, p)
+        del plans[_PLANS_PER_KEY:]
+    return p
+
+
+def _misaligned(build) -> None:
+    build()  # a data pointer is misaligned: the full checks raise the error that names it
+    raise AssertionError("a misaligned data pointer passed the checks")
+
+
+def _ptrs(tensors) -> tuple:
+    return tuple(map(Tensor.data_ptr, tensors))
+
+
+def _scale_seen(t, checked: bool) -> bool:
+    """Whether an FP8 scale's value was read and found valid, and not changed since (_kv_scale)."""
+    ref, version = _scale_ok.get(id(t), (None, None))
+    now = -1 if t.is_inference() else t._version
+    return not checked and ref is not None and ref() is t and version == now
+
+
+def _per_call(p: _Plan, P: tuple, ik: int, rope: bool, cos_sin_cache, k_cache, v_cache, k_scale, v_scale,
+              positions, slot_mapping, checked: bool) -> None:  # fmt: skip
+    """The per-head stage's checks that depend on pointers and values (P: the tensors' pointers, k_cache's at
+    P[ik], v_cache's at P[ik + 1])."""
+    if P[ik + 1] - P[ik] not in p.deltas:
+        _check_disjoint(k_cache, v_cache, *p.deltas[None])
+        if len(p.deltas) < 256:
+            p.deltas[P[ik + 1] - P[ik]] = True
+    if rope and p.max_pos == 1:  # (the placeholder's shape: a plan for another shape never sees it)
+        _placeholder(cos_sin_cache, p.dev)
+    if p.fp8:
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not _scale_seen(t, checked):
+                _kv_scale(name, t, p.dev, checked)
+    if checked:
+        _check_bounds(positions, slot_mapping, p.max_pos if rope else None, p.num_slots)
+
+
+def _head_plan(p: _Plan, m, dev, rope, kv, consts, k_cache, v_cache, nkv):
+    """The per-head stage's part of a plan."""
+    p.deltas = {v_cache.data_ptr() - k_cache.data_ptr(): True, None: (
+        k_cache.shape[0], consts["block_size"], nkv, k_cache.stride())}  # fmt: skip
+    p.no_rope = None if rope else _no_rope(dev).data_ptr()
+    p.fp8, p.max_pos, p.num_slots = kv != "bf16", consts["max_pos"], consts["num_cache_slots"]
+    p.values = p.fp8 or (rope and p.max_pos == 1)  # calls must check values: FP8 scales, or the placeholder
 
 
 # ----------------------------------------------------------------------------- input norm
+_NORM_ARGS = ("x", "residual", "residual_out", "xn", "weight", "eps")
+
+
+def _norm_launcher(dev: int, has_res: bool):
+    return _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
+
+
+def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
+    e, has_res = _eps("eps", eps), residual is not None
+    ts = (x, residual if has_res else _N[0], weight)
+
+    def build():
+        m, dev, _ = _x(x)
+        if has_res:
+            _t("residual", residual, _BF16, _ROWS[m], dev)
+        _t("weight", weight, _BF16, _HIDDEN, dev)
+        k = _norm_launcher(dev, has_res)
+        return _Plan(dev=dev, m=m, k=k, pack=k.packer(_NORM_ARGS, {}))
+
+    p = _plan(("norm", has_res), ts, build)
+    P = _ptrs(ts)
+    if (P[0] | P[1] | P[2]) & 15:
+        _misaligned(build)
+    xn = torch.empty_like(x)
+    res_out = torch.empty_like(x) if has_res else x
+    p.pack((P[0], P[1] if has_res else P[0], res_out.data_ptr(), xn.data_ptr(), P[2], e))
+    p.k.launch(p.m, _raw_stream(p.dev), _options().pdl)
+    return xn, res_out
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= 8
     (docs/api.md §4)."""
@@ -331,6 +453,12 @@ def no_rope_table(device) -> Tensor:
     `cos_sin_cache`: pass None for no RoPE (docs/api.md §8)."""
     device = torch.device(device)
     return _no_rope(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# the qkv kernel's arguments that change from call to call, in the order the ops pass them
+_QKV_ARGS = ("x", "residual", "residual_out", "norm_weight", "weight", "weight_scale", "global_scale",
+             "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "slot_mapping", "q", "k_cache",
+             "v_cache", "k_scale", "v_scale", "eps", "qk_eps")  # fmt: skip
 
 
 def flint_qkv_fused(
@@ -372,31 +500,66 @@ def flint_qkv_fused(
             k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         return q, (x if residual is None else r)  # (the op never aliases an input)
-    m, dev = _x(x)
     nq, nkv = _heads(num_q_heads, num_kv_heads)
-    a: dict = {}
-    fmt, n = _weight(a, weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
-    opts = _options()
-    res_out = _norm_args(a, x, residual, norm_weight, eps, m, dev)
-    rope, kv = _epilogue(a, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
-                         k_cache, v_cache, slot_mapping, k_scale, v_scale, opts.bounds_check)  # fmt: skip
-    # the two-kernel design (norm kernel + qkv kernel) unless asked otherwise or not built: it measures faster
-    # than the prologue design on the H200 (BENCHMARKS.md §1)
-    designs = (opts.design,) if opts.design else ("separate", "prologue")
-    k = _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, designs), lambda: [
-        abi.qkv_spec(fmt, rope, nq, nkv, kv, norm) for norm in designs])  # fmt: skip
-    q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=x.device)
-    a["q"] = q.data_ptr()
-    stream, has_res = _raw_stream(dev), residual is not None
-    if k.entry.spec["norm"] == "prologue":
-        a["has_residual"] = int(has_res)
-        k.pack(a)
+    e, qe, opts = _eps("eps", eps), _eps("qk_eps", qk_eps), _options()
+    has_res, rope = residual is not None, cos_sin_cache is not None
+    ts = (x, residual if has_res else _N[0], norm_weight, weight,
+          _N[1] if weight_scale is None else weight_scale, _N[2] if global_scale is None else global_scale,
+          q_norm_weight, k_norm_weight, cos_sin_cache if rope else _N[3], positions, k_cache, v_cache,
+          slot_mapping, _N[4] if k_scale is None else k_scale,
+          _N[5] if v_scale is None else v_scale)  # fmt: skip
+
+    def build():
+        m, dev, _ = _x(x)
+        fmt, n, *_ = _weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
+        if has_res:
+            _t("residual", residual, _BF16, _ROWS[m], dev)
+        _t("norm_weight", norm_weight, _BF16, _HIDDEN, dev)
+        rope_, kv, consts = _epilogue(
+            m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+            slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
+        designs = (design,) if opts.design else (design, "prologue" if design == "separate" else "separate")
+        k = _launcher(dev, "qkv", (fmt, rope_, nq, nkv, kv, designs), lambda: [
+            abi.qkv_spec(fmt, rope_, nq, nkv, kv, norm) for norm in designs])  # fmt: skip
+        prologue = k.entry.spec["norm"] == "prologue"
+        nk = None if prologue else _norm_launcher(dev, has_res)
+        p = _Plan(dev=dev, m=m, grid=n // abi.ROWS_PER_CTA, k=k, nk=nk, fp4=fmt == "nvfp4",
+                  pack=k.packer(_QKV_ARGS, dict(consts, has_residual=int(has_res and prologue))),
+                  pack_norm=nk and nk.packer(_NORM_ARGS, {}),
+                  like=torch.empty(1, 1, dtype=_BF16, device=x.device).expand(m, nq * HEAD_DIM))  # fmt: skip
+        _head_plan(p, m, dev, rope_, kv, consts, k_cache, v_cache, nkv)
+        return p
+
+    # Unless asked for one, the design that costs least where the call is: eagerly, the host's work per call
+    # (prologue: one launch, no xn); in a CUDA graph, only the GPU's (separate; BENCHMARKS.md §1 and §4).
+    # The two give bit-identical results. A design the bundle lacks falls back to the other.
+    design = opts.design or ("separate" if torch.cuda.is_current_stream_capturing() else "prologue")
+    p = _plan(("qkv", nq, nkv, has_res, weight_scale is None, global_scale is None, rope, k_scale is None,
+               v_scale is None, design, opts.design is None), ts, build)  # fmt: skip
+    P = _ptrs(ts)
+    if (P[0] | P[1] | P[2] | P[3] | P[6] | P[7] | P[8]) & 15 or (P[9] | P[12]) & 7 or (
+            P[4] | P[5] | P[13] | P[14]) & 3:  # fmt: skip
+        _misaligned(build)
+    if p.values or opts.bounds_check or P[11] - P[10] not in p.deltas:
+        _per_call(p, P, 10, rope, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, positions, slot_mapping,
+                  opts.bounds_check)  # fmt: skip
+    w, cs = P[3], P[8] if rope else p.no_rope
+    ws, gs = (P[4], P[5]) if p.fp4 else (w, w)  # BF16 kernels never read the scale pointers
+    ks, vs = (P[13], P[14]) if p.fp8 else (cs, cs)
+    q = torch.empty_like(p.like)
+    res_out = torch.empty_like(x) if has_res else x
+    qp, rop, rp, stream = q.data_ptr(), res_out.data_ptr(), P[1] if has_res else P[0], _raw_stream(p.dev)
+    if p.nk is None:  # the prologue design: one kernel
+        p.pack((P[0], rp, rop, P[2], w, ws, gs, P[6], P[7], cs, P[9], P[12], qp, P[10], P[11], ks, vs, e,
+                qe))  # fmt: skip
     else:  # the norm kernel writes xn, which the qkv kernel reads as x; both packed before either launches
-        nk, xn = _norm_kernel(a, x, m, dev, has_res)
-        a.update(x=xn.data_ptr(), residual=0, residual_out=0, norm_weight=0, eps=0.0, has_residual=0)
-        k.pack(a)
-        nk.launch(m, stream, opts.pdl)
-    k.launch(n // abi.ROWS_PER_CTA, stream, opts.pdl)
+        xn_t = torch.empty_like(x)  # (held until both kernels are launched: freed earlier, another thread's
+        xn = xn_t.data_ptr()  # allocation on this stream could take the block before they run)
+        p.pack_norm((P[0], rp, rop, xn, P[2], e))
+        p.pack((xn, 0, 0, 0, w, ws, gs, P[6], P[7], cs, P[9], P[12], qp, P[10], P[11], ks, vs, 0.0, qe))
+        p.nk.launch(p.m, stream, opts.pdl)
+    p.k.launch(p.grid, stream, opts.pdl)
     return q, res_out
 
 
@@ -410,14 +573,24 @@ def gemv(
     §2). Returns a new bf16 [M, N] tensor (docs/api.md §5)."""
     if _compiling():
         return torch.ops.flint.gemv(x, weight, weight_scale, global_scale)
-    m, dev = _x(x)
-    a = {"x": _t("x", x, _BF16, _ROWS[m], dev)}
-    fmt, n = _weight(a, weight, weight_scale, global_scale, dev, None)
-    k = _launcher(dev, "gemv", fmt, lambda: abi.gemv_spec(fmt))
-    y = torch.empty(m, n, dtype=_BF16, device=x.device)
-    a.update(y=y.data_ptr(), m=m, n=n)
-    k.pack(a)
-    k.launch(n // abi.ROWS_PER_CTA, _raw_stream(dev), _options().pdl)
+    ts = (x, weight, _N[1] if weight_scale is None else weight_scale,
+          _N[2] if global_scale is None else global_scale)  # fmt: skip
+
+    def build():
+        m, dev, _ = _x(x)
+        fmt, n, *_ = _weight(weight, weight_scale, global_scale, dev, None)
+        k = _launcher(dev, "gemv", fmt, lambda: abi.gemv_spec(fmt))
+        return _Plan(dev=dev, m=m, grid=n // abi.ROWS_PER_CTA, k=k, fp4=fmt == "nvfp4",
+                     pack=k.packer(("x", "weight", "weight_scale", "global_scale", "y"), {"m": m, "n": n}),
+                     like=torch.empty(1, 1, dtype=_BF16, device=x.device).expand(m, n))  # fmt: skip
+
+    p = _plan(("gemv", weight_scale is None, global_scale is None), ts, build)
+    P = _ptrs(ts)
+    if (P[0] | P[1]) & 15 or (P[2] | P[3]) & 3:
+        _misaligned(build)
+    y = torch.empty_like(p.like)
+    p.pack((P[0], P[1], *(P[2:] if p.fp4 else (P[1], P[1])), y.data_ptr()))
+    p.k.launch(p.grid, _raw_stream(p.dev), _options().pdl)
     return y
 
 
@@ -447,15 +620,37 @@ def qk_norm_rope_cache(
             slot_mapping, num_q_heads, num_kv_heads, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
     nq, nkv = _heads(num_q_heads, num_kv_heads)
-    n = (nq + 2 * nkv) * HEAD_DIM
-    m, dev = _x(qkv, "qkv", n)
-    a = {"qkv": _t("qkv", qkv, _BF16, (m, n), dev), "num_q_heads": nq, "num_kv_heads": nkv}
-    rope, kv = _epilogue(a, m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions,
-                         k_cache, v_cache, slot_mapping, k_scale, v_scale,
-                         _options().bounds_check)  # fmt: skip
-    k = _launcher(dev, "qk_norm_rope_cache", (rope, kv), lambda: abi.qk_norm_rope_cache_spec(rope, kv))
-    q = torch.empty(m, nq * HEAD_DIM, dtype=_BF16, device=qkv.device)
-    a["q"] = q.data_ptr()
-    k.pack(a)
-    k.launch(nq + 2 * nkv, _raw_stream(dev), _options().pdl)
+    qe, opts, rope = _eps("qk_eps", qk_eps), _options(), cos_sin_cache is not None
+    ts = (qkv, q_norm_weight, k_norm_weight, cos_sin_cache if rope else _N[3], positions, k_cache, v_cache,
+          slot_mapping, _N[4] if k_scale is None else k_scale,
+          _N[5] if v_scale is None else v_scale)  # fmt: skip
+
+    def build():
+        m, dev, _ = _x(qkv, "qkv", (nq + 2 * nkv) * HEAD_DIM)
+        rope_, kv, consts = _epilogue(
+            m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+            slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
+        k = _launcher(dev, "qk_norm_rope_cache", (rope_, kv), lambda: abi.qk_norm_rope_cache_spec(rope_, kv))
+        names = ("qkv", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "k_cache", "v_cache",
+                 "slot_mapping", "k_scale", "v_scale", "q", "qk_eps")  # fmt: skip
+        p = _Plan(dev=dev, m=m, grid=nq + 2 * nkv, k=k,
+                  pack=k.packer(names, dict(consts, num_q_heads=nq, num_kv_heads=nkv)),
+                  like=torch.empty(1, 1, dtype=_BF16, device=qkv.device).expand(m, nq * HEAD_DIM),
+                  )  # fmt: skip
+        _head_plan(p, m, dev, rope_, kv, consts, k_cache, v_cache, nkv)
+        return p
+
+    p = _plan(("qknrc", nq, nkv, rope, k_scale is None, v_scale is None), ts, build)
+    P = _ptrs(ts)
+    if (P[0] | P[1] | P[2] | P[3]) & 15 or (P[4] | P[7]) & 7 or (P[8] | P[9]) & 3:
+        _misaligned(build)
+    if p.values or opts.bounds_check or P[6] - P[5] not in p.deltas:
+        _per_call(p, P, 5, rope, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, positions, slot_mapping,
+                  opts.bounds_check)  # fmt: skip
+    cs = P[3] if rope else p.no_rope
+    ks, vs = (P[8], P[9]) if p.fp8 else (cs, cs)
+    q = torch.empty_like(p.like)
+    p.pack((P[0], P[1], P[2], cs, P[4], P[5], P[6], P[7], ks, vs, q.data_ptr(), qe))
+    p.k.launch(p.grid, _raw_stream(p.dev), opts.pdl)
     return q

@@ -43,8 +43,7 @@ def _direct_launch():
         f = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
     except (OSError, AttributeError):
         return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    f.restype = ctypes.c_int
+    f.restype = ctypes.c_int  # arguments: prepared ctypes.c_void_p objects (no per-call conversion)
     return f
 
 
@@ -235,7 +234,6 @@ class Launcher:
     def __init__(self, dev: int, entry: KernelEntry, function, ctx):
         self.entry, self.function, self.ctx, self.dev = entry, function, ctx, dev
         self.names = tuple(p.name for p in entry.params)
-        self._values = operator.itemgetter(*self.names)
         fmt, offsets = "<", []
         for p in entry.params:
             size = struct.calcsize(_FORMAT[p.type])
@@ -248,10 +246,10 @@ class Launcher:
         self._argv = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
         self._argv_addr = ctypes.addressof(self._argv)
         self._cfgs = {pdl: self._config(entry, pdl) for pdl in (True, False)}
-        self._cfg_addr = {pdl: cfg.getPtr() for pdl, cfg in self._cfgs.items()}
-        self._fn_addr = int(function)
-        self._grid = {pdl: None for pdl in (True, False)}
-        self._stream = {pdl: None for pdl in (True, False)}
+        fn_argv = ctypes.c_void_p(int(function)), ctypes.c_void_p(self._argv_addr)
+        # per PDL setting: [config, its grid x, its stream, the driver call's arguments]
+        self._state = {pdl: [cfg, None, None, (ctypes.c_void_p(cfg.getPtr()), *fn_argv, None)]
+                       for pdl, cfg in self._cfgs.items()}  # fmt: skip
 
     @staticmethod
     def _config(e: KernelEntry, pdl: bool):
@@ -274,31 +272,46 @@ class Launcher:
 
     def pack(self, args: dict) -> None:
         """Fill the parameter buffer from args (parameter name -> Python int or float)."""
-        if len(args) != len(self.names):
-            check_params(self.entry, list(args))
-        try:
-            self._struct.pack_into(self._buf, 0, *self._values(args))
-        except KeyError:
-            check_params(self.entry, list(args))
-            raise
-        except struct.error:  # a value outside its C type: the ops' checks should have caught it first
-            for p in self.entry.params:
-                try:
-                    struct.pack("<" + _FORMAT[p.type], args[p.name])
-                except struct.error as e:
-                    raise ValueError(f"{self.entry.name}: {p.name} = {args[p.name]!r} does not fit the "
-                                     f"kernel's {p.type} parameter ({e})") from None  # fmt: skip
-            raise
+        self.packer(tuple(args), {})(tuple(args.values()))
+
+    def packer(self, names: tuple, consts: dict):
+        """A function that fills the parameter buffer from a tuple of values in the order of `names`, followed
+        by the values of `consts`: between them, exactly the kernel's parameter names (else BundleError). The
+        names are matched to the kernel's parameters here, once; a value outside its C type raises ValueError
+        (consts at once, the others when packed)."""
+        names = (*names, *consts)
+        if len(names) != len(self.names) or set(names) != set(self.names):
+            check_params(self.entry, names)
+        idx = [names.index(p) for p in self.names]
+        get = operator.itemgetter(*idx) if len(idx) > 1 else lambda v: (v[idx[0]],)
+        pack_into, buf, fixed = self._struct.pack_into, self._buf, tuple(consts.values())
+
+        def pack(values: tuple) -> None:
+            try:
+                pack_into(buf, 0, *get(values + fixed))
+            except struct.error:  # a value outside its C type: the ops' checks should have caught it first
+                for p, v in zip(self.entry.params, get(values + fixed), strict=True):
+                    try:
+                        struct.pack("<" + _FORMAT[p.type], v)
+                    except struct.error as e:
+                        raise ValueError(f"{self.entry.name}: {p.name} = {v!r} does not fit the kernel's "
+                                         f"{p.type} parameter ({e})") from None  # fmt: skip
+                raise
+
+        if consts:  # values of the right types, to find a const outside its C type now
+            pack(tuple(0 for _ in names[: len(names) - len(consts)]))
+        return pack
 
     def launch(self, grid_x: int, stream: int, pdl: bool) -> None:
         """Launch with the packed parameters on the raw stream handle `stream`."""
-        cfg = self._cfgs[pdl]
-        if self._grid[pdl] != grid_x:
-            cfg.gridDimX = self._grid[pdl] = grid_x
-        if self._stream[pdl] != stream:
+        st = self._state[pdl]
+        cfg = st[0]
+        if st[1] != grid_x:
+            cfg.gridDimX = st[1] = grid_x
+        if st[2] != stream:
             cfg.hStream = cu.CUstream(stream)
-            self._stream[pdl] = stream
-        if _cu_launch and not _cu_launch(self._cfg_addr[pdl], self._fn_addr, self._argv_addr, None):
+            st[2] = stream
+        if _cu_launch and not _cu_launch(*st[3]):
             return  # CUDA_SUCCESS
         err = cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
         if err != _SUCCESS:
@@ -311,13 +324,20 @@ class Launcher:
             _check((err,), f"launch {self.entry.entry}")
 
 
+def thread_cache() -> dict:
+    """The calling thread's launchers and argument plans (loader.ops) for the current bundle: emptied when
+    load_bundle is called, from any thread."""
+    cache = getattr(_tls, "cache", None)
+    if cache is None or _tls.generation != _generation:
+        cache = _tls.cache = {}
+        _tls.generation = _generation
+    return cache
+
+
 def launcher(dev: int, kind: str, key: tuple, spec_of) -> Launcher:
     """The calling thread's launcher for (dev, kind, key): one dictionary hit once built. spec_of() gives
     the spec dict (or a list of them, in order of preference) to look up in the manifest on the first call."""
-    cache = getattr(_tls, "launchers", None)
-    if cache is None or _tls.generation != _generation:
-        cache = _tls.launchers = {}
-        _tls.generation = _generation
+    cache = thread_cache()
     lk = (dev, kind, key)
     got = cache.get(lk)
     if got is None:

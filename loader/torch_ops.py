@@ -22,8 +22,12 @@ def _register(name: str, fn, fake, impl=None, mutates=()) -> None:
     torch.library.register_fake(f"flint::{name}", fake, lib=_lib)
 
 
-def _qkv_fused(x, residual, *args, **kwargs):
-    q, r = ops.flint_qkv_fused(x, residual, *args, **kwargs)
+def _qkv_fused(x, residual, nw, eps, w, ws, gs, qn, kn, qk_eps, cs, pos, kc, vc, sm, nq, nkv, *, k_scale=None,
+               v_scale=None):  # fmt: skip
+    """The plain function, except that residual_out is never x (the dispatcher passes arguments positionally,
+    the keyword-only ones by name)."""
+    q, r = ops.flint_qkv_fused(x, residual, nw, eps, w, ws, gs, qn, kn, qk_eps, cs, pos, kc, vc, sm, nq, nkv,
+                               k_scale=k_scale, v_scale=v_scale)  # fmt: skip
     return q, (r if residual is not None else x.new_empty(0))
 
 

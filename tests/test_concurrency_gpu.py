@@ -15,15 +15,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _cubins(bundle, fmt, rope, heads, residual) -> set:
-    """The cubins a BF16-cache fused call loads: the two-kernel design's qkv kernel and the input-norm kernel
-    when the bundle has them (the loader's default), else the qkv kernel that normalizes in its prologue."""
+    """The cubins an eager BF16-cache fused call loads: the qkv kernel that normalizes in its prologue when
+    the bundle has it (the loader's eager default), else the two-kernel design's qkv and norm kernels."""
     arch = device_arch()
     qkv = [e for e in bundle.manifest.kernels if e.kind == "qkv" and e.arch == arch
            and e.spec["weight_format"] == fmt and e.spec["rope"] == rope and tuple(e.spec["heads"]) == heads
            and kv_of(e.spec) == "bf16"]  # fmt: skip
+    pro = [e for e in qkv if e.spec.get("norm", "separate") == "prologue"]
+    if pro:
+        return {pro[0].file}
     sep = [e for e in qkv if e.spec.get("norm", "separate") == "separate"]
-    if not sep:
-        return {qkv[0].file}
     norm = next(e for e in bundle.manifest.kernels if e.kind == "norm" and e.arch == arch
                 and e.spec["residual"] == residual)  # fmt: skip
     return {sep[0].file, norm.file}

@@ -128,14 +128,20 @@ class _DryRun:
             def __init__(self, entry):
                 self.entry = entry
 
-            def pack(self, args):
-                runtime.check_params(self.entry, list(args))
-                assert len(args) == len(self.entry.params), sorted(args)
-                self.args = dict(args)
+            def packer(self, names, consts):
+                names = (*names, *consts)
+                runtime.check_params(self.entry, names)
+                assert len(names) == len(self.entry.params), sorted(names)
+
+                def pack(values):
+                    self.args = dict(zip(names, (*values, *consts.values()), strict=True))
+
+                return pack
 
             def launch(self, grid_x, stream, pdl):
                 dry.launched.append((self.entry, self.args, grid_x))
 
+        monkeypatch.setattr(runtime, "_generation", runtime._generation + 1)  # no plan of an earlier run
         monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
         monkeypatch.setattr(ops, "_raw_stream", lambda dev: 0)
         monkeypatch.setitem(ops._NO_ROPE, 0, torch.zeros(1, 128))
@@ -195,7 +201,7 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
                     dry.launched.clear()
                     with loader.launch_options(design=design):
                         q, r = loader.flint_qkv_fused(**c)
-                    want = design or ("separate" if subset == "both designs" else "prologue")
+                    want = design or "prologue"  # eagerly the prologue design, when the bundle has it
                     kinds = [x.kind for x, _, _ in dry.launched]
                     assert kinds == (["norm", "qkv"] if want == "separate" else ["qkv"]), kinds
                     assert dry.launched[-1][0].spec == dict(s, norm=want)
@@ -241,3 +247,62 @@ def test_a_manifest_with_renamed_parameters_is_refused(monkeypatch):
     with pytest.raises(BundleError, match="stride_blk.*different flint-aot versions"):
         loader.flint_qkv_fused(**c)
     assert not dry.launched
+
+
+@needs_dsl
+def test_a_plan_never_skips_a_check_that_could_fail(monkeypatch):
+    """A call whose tensors match a plan's metadata skips only the checks that metadata decides. Every
+    in-place change of a tensor's metadata, on the same Python object, and every pointer- or value-dependent
+    fault behind metadata a plan accepts, is still refused before anything is launched."""
+    import torch
+
+    import loader
+    from loader import ops
+
+    if not ops._GUARDS:
+        pytest.skip("torch's TensorGuards is unavailable: every call is checked in full")
+    dry = _DryRun(monkeypatch, _default_bundle_entries())
+    base = _qkv_inputs(2, 32, 4, "bf16", True, "bf16")
+    loader.flint_qkv_fused(**base)
+    loader.flint_qkv_fused(**base)  # the second call takes the plan
+    bf16 = torch.bfloat16
+    changed_in_place = {
+        "x": [lambda t: t.resize_(9, 2048), lambda t: t.as_strided_((2, 2048), (1, 2)),
+              lambda t: t.set_(torch.empty(3, 2048, dtype=bf16)),
+              lambda t: setattr(t, "data", t.data.float())],
+        "weight": [lambda t: t.set_(torch.empty(5104, 2048, dtype=bf16))],
+        "norm_weight": [lambda t: t.resize_(1024)],
+        "k_cache": [lambda t: t.as_strided_(t.shape, (0, 512, 128, 1))],
+        "positions": [lambda t: t.resize_(1)],
+        "slot_mapping": [lambda t: t.resize_(3)],
+        "cos_sin_cache": [lambda t: t.as_strided_((64, 128), (1, 64))],
+    }  # fmt: skip
+    refused = 0
+    for name, changes in changed_in_place.items():
+        for change in changes:
+            c = dict(base, **{name: base[name].clone()})
+            if name == "k_cache":
+                v = base["v_cache"]
+                c["k_cache"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)  # the views' strides
+            loader.flint_qkv_fused(**c)  # accepted, by a plan
+            launched = len(dry.launched)
+            change(c[name])
+            with pytest.raises((TypeError, ValueError)):
+                loader.flint_qkv_fused(**c)
+            assert len(dry.launched) == launched
+            refused += 1
+    # metadata a plan accepts, with a misaligned pointer, the other cache's memory, or the no-RoPE placeholder
+    from loader.reference import make_cos_sin_cache
+
+    buf = torch.empty(129, dtype=bf16)
+    same_memory = base["k_cache"][:]  # a distinct object with k_cache's metadata and memory
+    one_row = dict(base, cos_sin_cache=make_cos_sin_cache(1))  # the placeholder's shape
+    loader.flint_qkv_fused(**one_row)
+    for args, name, bad, msg in [(base, "q_norm_weight", buf[1:], "aligned"),
+                                 (base, "v_cache", same_memory, "overlap"),
+                                 (one_row, "cos_sin_cache", ops._no_rope(0), "placeholder")]:  # fmt: skip
+        launched = len(dry.launched)
+        with pytest.raises(ValueError, match=msg):
+            loader.flint_qkv_fused(**dict(args, **{name: bad}))
+        assert len(dry.launched) == launched
+    assert refused == 10

@@ -138,6 +138,43 @@ def test_graph_capture_replay(gpu_bundle, fmt, kv):
         check(c, q, res_out, kb, vb)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_default_design_eager_and_captured(gpu_bundle, fmt):
+    """Without launch_options(design=): eager calls run the prologue design (one launch: the least host time),
+    calls captured in a CUDA graph the two-kernel design (the least GPU time); both write the same bytes."""
+    import loader
+    from loader import runtime
+
+    if not all(_has_design(gpu_bundle, d) for d in DESIGNS):
+        pytest.skip("the bundle lacks one of the two designs")
+
+    def designs():
+        plans = [p for v in runtime.thread_cache().values() if isinstance(v, list) for p in v]
+        return {p.k.entry.spec["norm"] for p in plans if p.k.entry.kind == "qkv"}
+
+    nq, nkv = pick_heads(gpu_bundle, fmt, "bf16", prefer=((32, 4),))
+    c = make_case(5, nq, nkv, True, seed=41, fmt=fmt)
+    kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
+    runtime.thread_cache().clear()
+    q, r = loader.flint_qkv_fused(**op_args(c))
+    torch.cuda.synchronize()
+    assert designs() == {"prologue"}
+    check(c, q, r, kb, vb)
+    eager = [t.clone() for t in (q, r, c["k_cache"], c["v_cache"])]
+    c["k_cache"].copy_(kb)
+    c["v_cache"].copy_(vb)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        q, r = loader.flint_qkv_fused(**op_args(c))
+    assert designs() == {"prologue", "separate"}
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, (q, r, c["k_cache"], c["v_cache"]), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 @pytest.mark.parametrize("kv", KV)
 def test_out_of_range_positions_and_slots_are_safe(gpu_bundle, kv):
     import loader
