@@ -26,8 +26,9 @@ _compiling = torch.compiler.is_compiling
 _ROWS = [torch.Size([m, HIDDEN]) for m in range(MAX_M + 1)]
 _TOKENS = [torch.Size([m]) for m in range(MAX_M + 1)]
 _HIDDEN, _HEAD = torch.Size([HIDDEN]), torch.Size([HEAD_DIM])
-_options = runtime.options
+_options = runtime._options.get  # this thread's LaunchOptions
 _launcher = runtime.launcher
+_data_ptr = Tensor.data_ptr
 
 
 # ----------------------------------------------------------------------------- checks
@@ -351,10 +352,6 @@ def _misaligned(build) -> None:
     raise AssertionError("a misaligned data pointer passed the checks")
 
 
-def _ptrs(tensors) -> tuple:
-    return tuple(map(Tensor.data_ptr, tensors))
-
-
 def _scale_seen(t, checked: bool) -> bool:
     """Whether an FP8 scale's value was read and found valid, and not changed since (_kv_scale)."""
     ref, version = _scale_ok.get(id(t), (None, None))
@@ -410,7 +407,7 @@ def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
         return _Plan(dev=dev, m=m, k=k, pack=k.packer(_NORM_ARGS, {}))
 
     p = _plan(("norm", has_res), ts, build)
-    P = _ptrs(ts)
+    P = tuple(map(_data_ptr, ts))
     if (P[0] | P[1] | P[2]) & 15:
         _misaligned(build)
     xn = torch.empty_like(x)
@@ -537,7 +534,7 @@ def flint_qkv_fused(
     design = opts.design or ("separate" if torch.cuda.is_current_stream_capturing() else "prologue")
     p = _plan(("qkv", nq, nkv, has_res, weight_scale is None, global_scale is None, rope, k_scale is None,
                v_scale is None, design, opts.design is None), ts, build)  # fmt: skip
-    P = _ptrs(ts)
+    P = tuple(map(_data_ptr, ts))
     if (P[0] | P[1] | P[2] | P[3] | P[6] | P[7] | P[8]) & 15 or (P[9] | P[12]) & 7 or (
             P[4] | P[5] | P[13] | P[14]) & 3:  # fmt: skip
         _misaligned(build)
@@ -585,7 +582,7 @@ def gemv(
                      like=torch.empty(1, 1, dtype=_BF16, device=x.device).expand(m, n))  # fmt: skip
 
     p = _plan(("gemv", weight_scale is None, global_scale is None), ts, build)
-    P = _ptrs(ts)
+    P = tuple(map(_data_ptr, ts))
     if (P[0] | P[1]) & 15 or (P[2] | P[3]) & 3:
         _misaligned(build)
     y = torch.empty_like(p.like)
@@ -642,7 +639,7 @@ def qk_norm_rope_cache(
         return p
 
     p = _plan(("qknrc", nq, nkv, rope, k_scale is None, v_scale is None), ts, build)
-    P = _ptrs(ts)
+    P = tuple(map(_data_ptr, ts))
     if (P[0] | P[1] | P[2] | P[3]) & 15 or (P[4] | P[7]) & 7 or (P[8] | P[9]) & 3:
         _misaligned(build)
     if p.values or opts.bounds_check or P[6] - P[5] not in p.deltas:
