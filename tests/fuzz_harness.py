@@ -471,9 +471,11 @@ class Expect:
         return bool(self.violations or self.unsure)
 
     def allowed(self) -> frozenset:
-        if self.violations:
-            return frozenset().union(*(e for _, e in self.violations))
-        return frozenset(REJECT) if self.unsure else frozenset()
+        """The exceptions the call may raise: those of the violations, and any rejection when a reason is
+        unsure (a call the loader may refuse for that reason may say so first, whatever else is wrong)."""
+        if self.unsure:
+            return frozenset(REJECT)
+        return frozenset().union(*(e for _, e in self.violations))
 
     def __str__(self):
         return f"violations={[w for w, _ in self.violations]} unsure={self.unsure}"
