@@ -325,30 +325,30 @@ class _Plan:
             setattr(self, k, kw.get(k))
 
 
-def _plan(key: tuple, tensors: tuple, build) -> _Plan:
-    """The plan of the first of this key's plans whose guard passes `tensors`, or build() (every check: raises
-    on bad arguments) made into a new one."""
-    cache = runtime.thread_cache()
-    plans = cache.get(key)
+def _plan(key: tuple, tensors: tuple, build, args: tuple = ()) -> _Plan:
+    """The first of this key's plans whose guard passes `tensors`, or build(*args) (every check: raises on bad
+    arguments) made into a new one."""
+    plans = runtime.thread_cache().get(key)
     if plans:
+        if plans[0].guard.check(*tensors):
+            return plans[0]
         for i, p in enumerate(plans):
             if p.guard.check(*tensors):
-                if i:
-                    plans.insert(0, plans.pop(i))  # most recently used first
+                plans.insert(0, plans.pop(i))  # most recently used first
                 return p
-    p = build()
+    p = build(*args)
     if _GUARDS:
         p.guard = _guard(tensors)
         if not p.guard.check(*tensors):  # one tensor in two roles: such calls are checked in full each time
             return p
-        plans = cache.setdefault(key, [])
+        plans = runtime.thread_cache().setdefault(key, [])
         plans.insert(0, p)
         del plans[_PLANS_PER_KEY:]
     return p
 
 
-def _misaligned(build) -> None:
-    build()  # a data pointer is misaligned: the full checks raise the error that names it
+def _misaligned(build, args: tuple = ()) -> None:
+    build(*args)  # a data pointer is misaligned: the full checks raise the error that names it
     raise AssertionError("a misaligned data pointer passed the checks")
 
 
@@ -591,6 +591,24 @@ def gemv(
     return y
 
 
+def _qknrc_plan(qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+                slot_mapping, nq, nkv, k_scale, v_scale) -> _Plan:  # fmt: skip
+    """qk_norm_rope_cache's checks, all of them, and its plan."""
+    m, dev, _ = _x(qkv, "qkv", (nq + 2 * nkv) * HEAD_DIM)
+    rope_, kv, consts = _epilogue(
+        m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+        slot_mapping, k_scale, v_scale,
+    )  # fmt: skip
+    k = _launcher(dev, "qk_norm_rope_cache", (rope_, kv), lambda: abi.qk_norm_rope_cache_spec(rope_, kv))
+    names = ("qkv", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "k_cache", "v_cache",
+             "slot_mapping", "k_scale", "v_scale", "q", "qk_eps")  # fmt: skip
+    p = _Plan(dev=dev, m=m, grid=nq + 2 * nkv, k=k,
+              pack=k.packer(names, dict(consts, num_q_heads=nq, num_kv_heads=nkv)),
+              like=torch.empty(1, 1, dtype=_BF16, device=qkv.device).expand(m, nq * HEAD_DIM))  # fmt: skip
+    _head_plan(p, m, dev, rope_, kv, consts, k_cache, v_cache, nkv)
+    return p
+
+
 def qk_norm_rope_cache(
     qkv: Tensor,
     q_norm_weight: Tensor,
@@ -622,26 +640,12 @@ def qk_norm_rope_cache(
           slot_mapping, _N[4] if k_scale is None else k_scale,
           _N[5] if v_scale is None else v_scale)  # fmt: skip
 
-    def build():
-        m, dev, _ = _x(qkv, "qkv", (nq + 2 * nkv) * HEAD_DIM)
-        rope_, kv, consts = _epilogue(
-            m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
-            slot_mapping, k_scale, v_scale,
-        )  # fmt: skip
-        k = _launcher(dev, "qk_norm_rope_cache", (rope_, kv), lambda: abi.qk_norm_rope_cache_spec(rope_, kv))
-        names = ("qkv", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "k_cache", "v_cache",
-                 "slot_mapping", "k_scale", "v_scale", "q", "qk_eps")  # fmt: skip
-        p = _Plan(dev=dev, m=m, grid=nq + 2 * nkv, k=k,
-                  pack=k.packer(names, dict(consts, num_q_heads=nq, num_kv_heads=nkv)),
-                  like=torch.empty(1, 1, dtype=_BF16, device=qkv.device).expand(m, nq * HEAD_DIM),
-                  )  # fmt: skip
-        _head_plan(p, m, dev, rope_, kv, consts, k_cache, v_cache, nkv)
-        return p
-
-    p = _plan(("qknrc", nq, nkv, rope, k_scale is None, v_scale is None), ts, build)
+    args = (qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
+            slot_mapping, nq, nkv, k_scale, v_scale)  # fmt: skip
+    p = _plan(("qknrc", nq, nkv, rope, k_scale is None, v_scale is None), ts, _qknrc_plan, args)
     P = tuple(map(_data_ptr, ts))
     if (P[0] | P[1] | P[2] | P[3]) & 15 or (P[4] | P[7]) & 7 or (P[8] | P[9]) & 3:
-        _misaligned(build)
+        _misaligned(_qknrc_plan, args)
     if p.values or opts.bounds_check or P[6] - P[5] not in p.deltas:
         _per_call(p, P, 5, rope, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, positions, slot_mapping,
                   opts.bounds_check)  # fmt: skip
