@@ -1,8 +1,10 @@
 """The public ops (docs/api.md §3-§6): argument checks, output allocation and launches.
 
 Every check runs before anything is launched or written, and raises TypeError / ValueError (bad arguments) or
-LookupError (not in the bundle). This is the eager hot path: checks are plain attribute reads and integer
-arithmetic, kernel arguments are filled by parameter name into a launcher built once (loader.runtime).
+LookupError (not in the bundle). This is the eager hot path: a call with tensors whose metadata an earlier
+call validated passes that call's plan's guard (one C++ check of all of them) and re-checks only what depends
+on pointers and values ("argument plans" below; docs/api.md §15); kernel arguments go by parameter name into a
+launcher built once (loader.runtime).
 """
 
 from __future__ import annotations

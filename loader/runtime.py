@@ -4,8 +4,9 @@ loading, and ready-to-launch kernels.
 torch and cuda-bindings only. A cubin is loaded once per device, lazily, under a lock, into the device's
 primary context (torch's). A `Launcher` is built once per (thread, device, kind, spec): function handle,
 launch configs with their cluster and PDL attributes, and a parameter buffer laid out from the manifest's
-parameter list; a call fills the buffer by parameter name and calls cuLaunchKernelEx on torch's current
-stream, so launches can be captured in CUDA graphs. Launch settings are scoped (`launch_options`), never
+parameter list. Its packers match the caller's argument names to the kernel's parameters once; a call then
+fills the buffer with one struct.pack_into and calls cuLaunchKernelEx on torch's current stream, so launches
+can be captured in CUDA graphs. Launch settings are scoped (`launch_options`), never
 process-wide.
 """
 
@@ -92,10 +93,6 @@ def launch_options(*, pdl: bool | None = None, bounds_check: bool | None = None,
         yield
     finally:
         _options.reset(token)
-
-
-def options() -> LaunchOptions:
-    return _options.get()
 
 
 # ----------------------------------------------------------------------------- bundle
@@ -269,10 +266,6 @@ class Launcher:
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)
         return cfg
-
-    def pack(self, args: dict) -> None:
-        """Fill the parameter buffer from args (parameter name -> Python int or float)."""
-        self.packer(tuple(args), {})(tuple(args.values()))
 
     def packer(self, names: tuple, consts: dict):
         """A function that fills the parameter buffer from a tuple of values in the order of `names`, followed
