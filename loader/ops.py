@@ -63,15 +63,9 @@ def _eps(name: str, v) -> float:
     return float(v)
 
 
-def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int, int]:
-    """(M, device index, data_ptr) of activations: a contiguous bf16 [M, cols] on a CUDA device, 16-byte
-    aligned, 1 <= M <= 8."""
-    if isinstance(x, Tensor) and x.dtype is _BF16:
-        s = x.shape
-        if len(s) == 2 and s[1] == cols and 0 < s[0] <= MAX_M and x.is_contiguous():
-            dev, p = x.get_device(), x.data_ptr()
-            if dev >= 0 and not p % 16:
-                return s[0], dev, p
+def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int]:
+    """(M, device index) of activations: a contiguous bf16 [M, cols] on a CUDA device, 16-byte aligned,
+    1 <= M <= 8."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     s = x.shape
@@ -80,7 +74,8 @@ def _x(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int, int]:
     dev = x.get_device()
     if dev < 0:
         raise ValueError(f"{name} must be on a CUDA device, got {x.device}")
-    return s[0], dev, _t(name, x, _BF16, s, dev)
+    _t(name, x, _BF16, s, dev)
+    return s[0], dev
 
 
 def _heads(nq, nkv) -> tuple[int, int]:
@@ -96,10 +91,9 @@ def _heads(nq, nkv) -> tuple[int, int]:
     return nq, nkv
 
 
-def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tuple:
-    """(format, N, weight, weight_scale, global_scale pointers) of a BF16 or NVFP4 weight of n rows (when n is
-    None: any multiple of 16 up to abi.MAX_GEMV_ROWS). BF16 kernels never read the scale pointers (they get
-    the weight's)."""
+def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tuple[str, int]:
+    """(format, N) of a BF16 or NVFP4 weight of n rows (when n is None: any multiple of 16 up to
+    abi.MAX_GEMV_ROWS)."""
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     fmt = "bf16" if weight.dtype is _BF16 else "nvfp4" if weight.dtype is _U8 else None
@@ -113,19 +107,20 @@ def _weight(weight, weight_scale, global_scale, dev: int, n: int | None) -> tupl
             raise ValueError(f"weight must have shape [N, {cols}], N a multiple of 16 in "
                              f"16..{abi.MAX_GEMV_ROWS} (the kernels' 32-bit row offsets), got "
                              f"{list(weight.shape)}")  # fmt: skip
-    w = _t("weight", weight, weight.dtype, (n, cols), dev)
+    _t("weight", weight, weight.dtype, (n, cols), dev)
     if fmt == "bf16":
         if weight_scale is not None or global_scale is not None:
             raise ValueError("weight_scale and global_scale must be None for a BF16 weight")
-        return fmt, n, w, w, w
+        return fmt, n
     if weight_scale is None or global_scale is None:
         raise ValueError("an NVFP4 weight (uint8) needs weight_scale and global_scale")
     sdt = weight_scale.dtype if isinstance(weight_scale, Tensor) else None
     if sdt is not _E4M3 and sdt is not _U8:
         raise TypeError(f"weight_scale must be a torch.float8_e4m3fn (or torch.uint8 view) tensor, got {sdt}")
     n_pad = -(-n // 128) * 128  # the 128x4 swizzle pads rows to a multiple of 128
-    ws = _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
-    return fmt, n, w, ws, _scalar("global_scale", global_scale, dev)
+    _t("weight_scale", weight_scale, sdt, (n_pad, abi.SCALE_COLS), dev, align=4)
+    _scalar("global_scale", global_scale, dev)
+    return fmt, n
 
 
 def _scalar(name: str, t, dev: int) -> int:
@@ -146,17 +141,25 @@ def _kv_scale(name: str, t, dev: int, recheck: bool) -> int:
     an inference-mode tensor, which has none, is read once), and on every call in checked mode; not during
     CUDA-graph capture, where an unread scale is refused."""
     p = _scalar(name, t, dev)
-    ref, version = _scale_ok.get(id(t), (None, None))
-    now = -1 if t.is_inference() else t._version  # inference tensors keep no version counter
-    if recheck or version != now or ref() is not t:
+    if not _scale_seen(t, recheck):
         if torch.cuda.is_current_stream_capturing():
             raise ValueError(f"{name} was never checked and cannot be read during CUDA-graph capture: call "
                              "the op once before capturing")  # fmt: skip
         v = t.item()
         if not 0 < v <= F32_MAX:
             raise ValueError(f"{name} must be finite and > 0, got {v}")
-        _scale_ok[id(t)] = (weakref.ref(t), now)
+        _scale_ok[id(t)] = (weakref.ref(t), _version(t))
     return p
+
+
+def _version(t) -> int:
+    return -1 if t.is_inference() else t._version  # inference tensors keep no version counter
+
+
+def _scale_seen(t, checked: bool) -> bool:
+    """Whether an FP8 scale's value was read and found valid, and not changed in place since."""
+    ref, version = _scale_ok.get(id(t), (None, None))
+    return not checked and ref is not None and ref() is t and version == _version(t)
 
 
 def _cache(name: str, t, nkv: int, dev: int):
@@ -320,7 +323,7 @@ _PLANS_PER_KEY = 16
 
 class _Plan:
     __slots__ = ("guard", "dev", "m", "grid", "k", "nk", "pack", "pack_norm", "like", "deltas", "no_rope",
-                 "fp4", "fp8", "max_pos", "num_slots", "values")  # fmt: skip
+                 "fp4", "fp8", "max_pos", "num_slots", "values", "geometry")  # fmt: skip
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -354,21 +357,14 @@ def _misaligned(build, args: tuple = ()) -> None:
     raise AssertionError("a misaligned data pointer passed the checks")
 
 
-def _scale_seen(t, checked: bool) -> bool:
-    """Whether an FP8 scale's value was read and found valid, and not changed since (_kv_scale)."""
-    ref, version = _scale_ok.get(id(t), (None, None))
-    now = -1 if t.is_inference() else t._version
-    return not checked and ref is not None and ref() is t and version == now
-
-
 def _per_call(p: _Plan, P: tuple, ik: int, rope: bool, cos_sin_cache, k_cache, v_cache, k_scale, v_scale,
               positions, slot_mapping, checked: bool) -> None:  # fmt: skip
     """The per-head stage's checks that depend on pointers and values (P: the tensors' pointers, k_cache's at
     P[ik], v_cache's at P[ik + 1])."""
     if P[ik + 1] - P[ik] not in p.deltas:
-        _check_disjoint(k_cache, v_cache, *p.deltas[None])
+        _check_disjoint(k_cache, v_cache, *p.geometry)
         if len(p.deltas) < 256:
-            p.deltas[P[ik + 1] - P[ik]] = True
+            p.deltas.add(P[ik + 1] - P[ik])
     if rope and p.max_pos == 1:  # (the placeholder's shape: a plan for another shape never sees it)
         _placeholder(cos_sin_cache, p.dev)
     if p.fp8:
@@ -381,8 +377,8 @@ def _per_call(p: _Plan, P: tuple, ik: int, rope: bool, cos_sin_cache, k_cache, v
 
 def _head_plan(p: _Plan, m, dev, rope, kv, consts, k_cache, v_cache, nkv):
     """The per-head stage's part of a plan."""
-    p.deltas = {v_cache.data_ptr() - k_cache.data_ptr(): True, None: (
-        k_cache.shape[0], consts["block_size"], nkv, k_cache.stride())}  # fmt: skip
+    p.deltas = {v_cache.data_ptr() - k_cache.data_ptr()}  # v - k addresses found not to overlap
+    p.geometry = (k_cache.shape[0], consts["block_size"], nkv, k_cache.stride())  # _disjoint's arguments
     p.no_rope = None if rope else _no_rope(dev).data_ptr()
     p.fp8, p.max_pos, p.num_slots = kv != "bf16", consts["max_pos"], consts["num_cache_slots"]
     p.values = p.fp8 or (rope and p.max_pos == 1)  # calls must check values: FP8 scales, or the placeholder
@@ -401,7 +397,7 @@ def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
     ts = (x, residual if has_res else _N[0], weight)
 
     def build():
-        m, dev, _ = _x(x)
+        m, dev = _x(x)
         if has_res:
             _t("residual", residual, _BF16, _ROWS[m], dev)
         _t("weight", weight, _BF16, _HIDDEN, dev)
@@ -509,8 +505,8 @@ def flint_qkv_fused(
           _N[5] if v_scale is None else v_scale)  # fmt: skip
 
     def build():
-        m, dev, _ = _x(x)
-        fmt, n, *_ = _weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
+        m, dev = _x(x)
+        fmt, n = _weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
         if has_res:
             _t("residual", residual, _BF16, _ROWS[m], dev)
         _t("norm_weight", norm_weight, _BF16, _HIDDEN, dev)
@@ -576,8 +572,8 @@ def gemv(
           _N[2] if global_scale is None else global_scale)  # fmt: skip
 
     def build():
-        m, dev, _ = _x(x)
-        fmt, n, *_ = _weight(weight, weight_scale, global_scale, dev, None)
+        m, dev = _x(x)
+        fmt, n = _weight(weight, weight_scale, global_scale, dev, None)
         k = _launcher(dev, "gemv", fmt, lambda: abi.gemv_spec(fmt))
         return _Plan(dev=dev, m=m, grid=n // abi.ROWS_PER_CTA, k=k, fp4=fmt == "nvfp4",
                      pack=k.packer(("x", "weight", "weight_scale", "global_scale", "y"), {"m": m, "n": n}),
@@ -596,7 +592,7 @@ def gemv(
 def _qknrc_plan(qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
                 slot_mapping, nq, nkv, k_scale, v_scale) -> _Plan:  # fmt: skip
     """qk_norm_rope_cache's checks, all of them, and its plan."""
-    m, dev, _ = _x(qkv, "qkv", (nq + 2 * nkv) * HEAD_DIM)
+    m, dev = _x(qkv, "qkv", (nq + 2 * nkv) * HEAD_DIM)
     rope_, kv, consts = _epilogue(
         m, nkv, dev, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
         slot_mapping, k_scale, v_scale,
