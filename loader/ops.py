@@ -162,6 +162,17 @@ def _scale_seen(t, checked: bool) -> bool:
     return not checked and ref is not None and ref() is t and version == _version(t)
 
 
+def _scales_seen(k_scale, v_scale) -> bool:
+    """_scale_seen for both scales of an FP8 call, on the hot path (one lookup each, no helper calls)."""
+    a, b = _scale_ok.get(id(k_scale)), _scale_ok.get(id(v_scale))
+    if a is None or b is None or a[0]() is not k_scale or b[0]() is not v_scale:
+        return False
+    try:
+        return a[1] == k_scale._version and b[1] == v_scale._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return _scale_seen(k_scale, False) and _scale_seen(v_scale, False)
+
+
 def _cache(name: str, t, nkv: int, dev: int):
     """(num_blocks, block_size, strides) of a paged KV cache view (docs/api.md §7): no zero or overlapping
     strides (the kernels write it), block size within the kernels' int32."""
@@ -381,7 +392,7 @@ def _head_plan(p: _Plan, m, dev, rope, kv, consts, k_cache, v_cache, nkv):
     p.geometry = (k_cache.shape[0], consts["block_size"], nkv, k_cache.stride())  # _disjoint's arguments
     p.no_rope = None if rope else _no_rope(dev).data_ptr()
     p.fp8, p.max_pos, p.num_slots = kv != "bf16", consts["max_pos"], consts["num_cache_slots"]
-    p.values = p.fp8 or (rope and p.max_pos == 1)  # calls must check values: FP8 scales, or the placeholder
+    p.values = rope and p.max_pos == 1  # calls must check the no-RoPE placeholder (FP8 scales: _scales_seen)
 
 
 # ----------------------------------------------------------------------------- input norm
@@ -536,7 +547,8 @@ def flint_qkv_fused(
     if (P[0] | P[1] | P[2] | P[3] | P[6] | P[7] | P[8]) & 15 or (P[9] | P[12]) & 7 or (
             P[4] | P[5] | P[13] | P[14]) & 3:  # fmt: skip
         _misaligned(build)
-    if p.values or opts.bounds_check or P[11] - P[10] not in p.deltas:
+    if (p.values or opts.bounds_check or P[11] - P[10] not in p.deltas
+            or p.fp8 and not _scales_seen(k_scale, v_scale)):  # fmt: skip
         _per_call(p, P, 10, rope, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, positions, slot_mapping,
                   opts.bounds_check)  # fmt: skip
     w, cs = P[3], P[8] if rope else p.no_rope
@@ -644,7 +656,8 @@ def qk_norm_rope_cache(
     P = tuple(map(_data_ptr, ts))
     if (P[0] | P[1] | P[2] | P[3]) & 15 or (P[4] | P[7]) & 7 or (P[8] | P[9]) & 3:
         _misaligned(_qknrc_plan, args)
-    if p.values or opts.bounds_check or P[6] - P[5] not in p.deltas:
+    if (p.values or opts.bounds_check or P[6] - P[5] not in p.deltas
+            or p.fp8 and not _scales_seen(k_scale, v_scale)):  # fmt: skip
         _per_call(p, P, 5, rope, cos_sin_cache, k_cache, v_cache, k_scale, v_scale, positions, slot_mapping,
                   opts.bounds_check)  # fmt: skip
     cs = P[3] if rope else p.no_rope

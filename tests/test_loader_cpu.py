@@ -306,3 +306,27 @@ def test_a_plan_never_skips_a_check_that_could_fail(monkeypatch):
             loader.flint_qkv_fused(**dict(args, **{name: bad}))
         assert len(dry.launched) == launched
     assert refused == 10
+    # FP8 scales behind a plan: changed in place after a call accepted them, or a new tensor with a bad value
+    fp8 = _qkv_inputs(2, 32, 4, "bf16", True, "fp8_e4m3")
+    qkv = torch.randn(2, (32 + 8) * 128).bfloat16()
+    head = {k: v for k, v in fp8.items() if k not in ("x", "residual", "norm_weight", "eps", "weight",
+                                                      "weight_scale", "global_scale")}  # fmt: skip
+    calls = (lambda c: loader.flint_qkv_fused(**c), lambda c: loader.qk_norm_rope_cache(qkv, **head | {
+        k: c[k] for k in ("k_scale", "v_scale")}))  # fmt: skip
+    for call in calls:
+        call(fp8)
+        call(fp8)
+        for name, bad in (("k_scale", lambda t: t.fill_(0.0)), ("v_scale", lambda t: t.fill_(float("nan"))),
+                          ("k_scale", lambda t: t.mul_(-1.0))):  # fmt: skip
+            c = dict(fp8, **{name: fp8[name].clone()})
+            call(c)  # accepted, its value read
+            call(c)
+            launched = len(dry.launched)
+            bad(c[name])
+            with pytest.raises(ValueError, match=name):
+                call(c)
+            assert len(dry.launched) == launched
+        launched = len(dry.launched)
+        with pytest.raises(ValueError, match="v_scale"):
+            call(dict(fp8, v_scale=torch.full((1,), -1.0)))
+        assert len(dry.launched) == launched
