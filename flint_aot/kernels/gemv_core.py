@@ -30,9 +30,10 @@ NB = K // 32 // WARPS  # 32-wide k blocks per warp
 
 def ld_weight(ptr):
     """16 bytes of weights: read once, never written by a predecessor -> non-coherent path, no L1 allocation,
-    256-byte L2 fetch."""
+    128-byte L2 fetch (0.1-0.25 us per layer faster for BF16 than the 256-byte hint, the same for NVFP4;
+    BENCHMARKS.md §1)."""
     return cute.arch.inline_ptx(
-        "ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        "ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
         write_only_types=[Int32] * 4,
         read_only_args=[ptr],
     )
