@@ -161,7 +161,11 @@ def reduce_rows(d, tid, red):
 KB = NVFP4_ROW_BYTES  # code bytes per row
 FP4_CHUNKS = KB // 16 // WARPS // 4  # 16-byte code chunks per thread per row (4)
 FP4_WORDS = FP4_CHUNKS * 4  # 32-bit code words per thread per row (16)
-FP4_PRE = FP4_WORDS // 2  # words per row decoded before griddepcontrol.wait: what fits in 168 registers
+# code words per row decoded before griddepcontrol.wait, per kernel (weights_then_wait's `pre`): the fused qkv
+# kernel decodes 12 of 16 (measured fastest on the H200: 8 is 0.1-0.2 us per layer slower for (32,4), all 16
+# fit in 167 registers but gain less; BENCHMARKS.md §1); the standalone GEMV 8 (12 takes it to 186 registers)
+FP4_PRE_QKV = 12
+FP4_PRE_GEMV = 8
 
 
 def ld_weight_b32(ptr):
@@ -278,17 +282,17 @@ def fp4_mma_partials(D, x, m, tid):
 
 # ----------------------------------------------------------------------------- the GEMV of one CTA
 # The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
-def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m):
-    """Issue this CTA's whole weight slice (NVFP4: codes, scales and half of the decode), then
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV):
+    """Issue this CTA's whole weight slice (NVFP4: codes, scales and the decode of `pre` of 16 words), then
     griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
     neither sink the loads below the wait nor hoist the wait above them). Returns the state for row_sums."""
     st = {}
     if fp4:
         codes, scw = issue_fp4_loads(w, wsc, row0, tid)
         st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
-        st["D"] = fp4_decode_rows(codes, scw, range(FP4_PRE), tid)
-        st["codes"], st["scw"] = codes, scw
-        flat = scw[0][2:] + scw[1][2:] + codes[0][FP4_PRE:] + codes[1][FP4_PRE:]
+        st["D"] = fp4_decode_rows(codes, scw, range(pre), tid)
+        st["codes"], st["scw"], st["pre"] = codes, scw, pre
+        flat = scw[0][pre // 4 :] + scw[1][pre // 4 :] + codes[0][pre:] + codes[1][pre:]
         for row in st["D"]:
             for regs in row.values():
                 flat.extend(regs)
@@ -313,7 +317,7 @@ def row_sums(fp4: bool, st, x, m, tid):
     """The GEMV of this CTA's 16 rows for all tokens, after weights_then_wait: thread tid gets the fp32
     sum (times the global scale for NVFP4) of row tid % 16, token tid // 16 (syncs the CTA)."""
     if fp4:
-        rest = fp4_decode_rows(st["codes"], st["scw"], range(FP4_PRE, FP4_WORDS), tid)
+        rest = fp4_decode_rows(st["codes"], st["scw"], range(st["pre"], FP4_WORDS), tid)
         d = fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid)
     else:
         d = mma_partials(st["A"], x, m, tid, st["zero"])

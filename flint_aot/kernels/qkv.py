@@ -4,7 +4,7 @@ write, and in the prologue design the input RMSNorm too.
 Grid: one CTA of 128 threads per 16 weight rows; the 8 CTAs of one head (128 rows) form a cluster (8,1,1).
 Each CTA
 1. releases its own PDL dependents, initialises its mbarriers, arrives on the cluster barrier, issues its
-   whole weight slice (BF16: 64 KiB into registers; NVFP4: codes + scales, and half of the decode), and only
+   whole weight slice (BF16: 64 KiB into registers; NVFP4: codes + scales, and 3/4 of the decode), and only
    then waits (griddepcontrol.wait) for the kernel before it: the weight stream overlaps that kernel;
 2. copies 1/8 of the activations (k in [256 r, 256 r + 256) of every token) with one multicast bulk copy per
    token into all 8 CTAs' shared memory: x is read from L2 once per cluster, not once per CTA;
@@ -113,7 +113,9 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
         )
 
         # ---- the weight stream, issued before griddepcontrol.wait (which follows it)
-        wst = core.weights_then_wait(fp4, weight, weight_scale, global_scale, cta * R, tid, m)
+        wst = core.weights_then_wait(
+            fp4, weight, weight_scale, global_scale, cta * R, tid, m, core.FP4_PRE_QKV
+        )
         cute.arch.cluster_wait()  # every peer's mbarriers are initialised
         if tid < m:
             part = rank * K_PART
