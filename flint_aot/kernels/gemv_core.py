@@ -282,10 +282,12 @@ def fp4_mma_partials(D, x, m, tid):
 
 # ----------------------------------------------------------------------------- the GEMV of one CTA
 # The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
-def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV):
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None):
     """Issue this CTA's whole weight slice (NVFP4: codes, scales and the decode of `pre` of 16 words), then
     griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
-    neither sink the loads below the wait nor hoist the wait above them). Returns the state for row_sums."""
+    neither sink the loads below the wait nor hoist the wait above them). BF16: issued(), if given, runs
+    once the loads are issued, before any of them is waited for (the guard's chain starts from a clock read
+    after it, so ptxas cannot hoist the waits above it). Returns the state for row_sums."""
     st = {}
     if fp4:
         codes, scw = issue_fp4_loads(w, wsc, row0, tid)
@@ -298,10 +300,14 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
                 flat.extend(regs)
     else:
         st["A"] = issue_weight_loads(w, row0, tid)
+        if issued is not None:
+            issued()
         flat = []
         for lo, hi in st["A"]:
             flat.extend(lo)
             flat.extend(hi)
+    if issued is not None:
+        flat = [Int32(cute.arch.clock64())] + flat
     st["zero"] = runtime_zero(flat, m)
     guarded_wait(st["zero"])
     return st

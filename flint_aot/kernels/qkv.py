@@ -113,17 +113,16 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
         )
 
         # ---- the weight stream, issued before griddepcontrol.wait (which follows it)
-        wst = core.weights_then_wait(
-            fp4, weight, weight_scale, global_scale, cta * R, tid, m, core.FP4_PRE_QKV
-        )
-        cute.arch.cluster_wait()  # every peer's mbarriers are initialised
-        if tid < m:
-            part = rank * K_PART
-            device.bulk_multicast(xs + (tid * xrow + part), x + (tid * core.K + part), mbx, K_PART * 2)
-            if cutlass.const_expr(prologue):
-                if has_residual != 0:
-                    device.bulk_multicast(rs + (tid * xrow + part), residual + (tid * core.K + part), mbx,
-                                          K_PART * 2)  # fmt: skip
+        # BF16: the activations are copied as soon as the weight loads are issued (by threads that wait for
+        # the predecessor themselves), NVFP4 after the guarded wait: a copying thread's warp cannot decode
+        # while it waits (measured: BF16 up to 0.17 us per layer faster, NVFP4 0.1-0.35 slower that way)
+        def copy():
+            copy_activations(tid, m, rank, xs, rs, x, residual, mbx, has_residual, xrow, prologue)
+
+        wst = core.weights_then_wait(fp4, weight, weight_scale, global_scale, cta * R, tid, m,
+                                     core.FP4_PRE_QKV, issued=None if fp4 else copy)  # fmt: skip
+        if cutlass.const_expr(fp4):
+            copy()
         # per-token inputs of the epilogue, issued now so their latency hides under the GEMV
         slot = Int64(-1)
         if tk < num_slot_mapping:
@@ -177,6 +176,24 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
                     device.store_cache(k_cache, slot, *geom, head - nq, dim, yb, fp8, scale)
 
     return qkv
+
+
+@cute.jit
+def copy_activations(tid, m, rank, xs, rs, x, residual, mbx, has_residual, xrow: cutlass.Constexpr,
+                     prologue: cutlass.Constexpr):  # fmt: skip
+    """Wait on the cluster barrier (every peer's mbarriers are initialised), then threads tid < m wait for
+    the predecessor themselves (griddepcontrol.wait: the copies need no weights, which may still be in
+    flight) and copy this CTA's 1/8 of token tid's activations into all 8 CTAs (the residual too in the
+    prologue design)."""
+    cute.arch.cluster_wait()
+    if tid < m:
+        cute.arch.griddepcontrol_wait()
+        part = rank * K_PART
+        device.bulk_multicast(xs + (tid * xrow + part), x + (tid * core.K + part), mbx, K_PART * 2)
+        if cutlass.const_expr(prologue):
+            if has_residual != 0:
+                device.bulk_multicast(rs + (tid * xrow + part), residual + (tid * core.K + part), mbx,
+                                      K_PART * 2)  # fmt: skip
 
 
 @cute.jit
