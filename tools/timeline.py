@@ -1,0 +1,282 @@
+"""Per-CTA timeline of the fused op under CUDA-graph replay: where a layer's time goes (BENCHMARKS.md §1,
+"What bounds it"). A diagnostic, never a serving build.
+
+1. On the CPU machine, instrument a copy of the kernels and build a small bundle from it:
+
+       python3 tools/timeline.py instrument /tmp/tl
+       (cd /tmp/tl && python3 -m flint_aot.cli build configs/timeline.yaml -o build/timeline)
+       cp -r /tmp/tl/build/timeline build/timeline
+
+   Thread 0 of every qkv CTA then writes %globaltimer (ns) at T0 start, T1 its weights arrived, T2 its
+   griddepcontrol.wait returned, T3 the activations are in shared memory, T4 the GEMV is done, T5 the q/k
+   epilogue exchange is done, T6 its last store is issued (and %smid); the norm kernel T0 start, T1 wait
+   returned, T2 reduced, T3 stored. The qkv kernel writes into `v_scale`, which a BF16-cache build never
+   reads; the norm kernel gets a trailing `trace` parameter. Both are filled by this tool (the loader
+   refuses the norm kernel's extra parameter on its own).
+2. On the GPU:
+
+       PYTHONPATH=. python3 tools/timeline.py run build/timeline 32x4:bf16:1:separate 16x2:nvfp4:8:separate
+
+   Per layer (medians over the middle layers of a graph of L layers with distinct weights): the span from the
+   layer's first wait-return to its last store, the gap from that to the next layer's first wait-return,
+   phase medians per CTA, and the norm kernel's part of the gap.
+"""
+
+# ruff: noqa: E501  (PATCHES holds kernel source lines as data)
+from __future__ import annotations
+
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_HELPERS = '''
+
+def _tl_time(dep):
+    """%globaltimer_lo, read once dep (an Int32 that is 0 at run time) is known (timeline builds only)."""
+    from cutlass._mlir.dialects import llvm as _llvm
+
+    asm = "{ .reg .pred p; setp.eq.u32 p, $1, 0; @p mov.u32 $0, %globaltimer_lo; @!p mov.u32 $0, 1; }"
+    return Int32(_llvm.inline_asm(Int32.mlir_type, [Int32(dep).ir_value()], asm, "=r,r", has_side_effects=True))
+
+
+def _tl_smid():
+    from cutlass._mlir.dialects import llvm as _llvm
+
+    return Int32(_llvm.inline_asm(Int32.mlir_type, [], "mov.u32 $0, %smid;", "=r", has_side_effects=True))
+
+
+def _tl_store(tid, ptr, val):
+    """Thread 0 stores the u32 val at ptr."""
+    from cutlass._mlir.dialects import llvm as _llvm
+
+    _llvm.inline_asm(None, [Int32(tid).ir_value(), ptr.to_llvm_ptr(), Int32(val).ir_value()],
+                     "{ .reg .pred p; setp.eq.u32 p, $0, 0; @p st.global.u32 [$1], $2; }", "r,l,r",
+                     has_side_effects=True)
+'''
+
+# (file, anchor, replacement): each anchor must occur exactly once
+_QKV_AT = "v_scale + (cta * 8 + {})"
+PATCHES = [
+    ("flint_aot/kernels/gemv_core.py", "K = HIDDEN\n", "K = HIDDEN\nTRACE_CB = None  # timeline builds\n"),
+    (
+        "flint_aot/kernels/gemv_core.py",
+        '    st["zero"] = runtime_zero(flat, m)\n',
+        '    st["zero"] = runtime_zero(flat, m)\n    if TRACE_CB is not None:\n        TRACE_CB(st["zero"])\n',
+    ),
+    ("flint_aot/kernels/qkv.py", "R = core.ROWS\n", "R = core.ROWS\n" + _HELPERS),
+    (
+        "flint_aot/kernels/qkv.py",
+        "        cute.arch.griddepcontrol_launch_dependents()\n        head = cta // CLUSTER",
+        "        cute.arch.griddepcontrol_launch_dependents()\n        tz = m >> 31\n"
+        f"        _tl_store(tid, {_QKV_AT.format(0)}, _tl_time(tz))\n"
+        f"        _tl_store(tid, {_QKV_AT.format(7)}, _tl_smid())\n"
+        f"        core.TRACE_CB = lambda z: _tl_store(tid, {_QKV_AT.format(1)}, _tl_time(z))\n"
+        "        head = cta // CLUSTER",
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "        # per-token inputs of the epilogue,",
+        f"        _tl_store(tid, {_QKV_AT.format(2)}, _tl_time(wst['zero']))\n        # per-token inputs of the epilogue,",
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "        acc = core.row_sums(fp4, wst, core.SharedX(xs, xrow, mbx), m, tid)\n",
+        "        cute.arch.mbarrier_wait(mbx, 0)\n"
+        f"        _tl_store(tid, {_QKV_AT.format(3)}, _tl_time(tz))\n"
+        "        acc = core.row_sums(fp4, wst, core.SharedX(xs, xrow, mbx), m, tid)\n"
+        f"        _tl_store(tid, {_QKV_AT.format(4)}, _tl_time(core.runtime_zero([device.f32_bits(acc)], m)))\n",
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "            cute.arch.mbarrier_wait(mbar, 0)\n",
+        f"            cute.arch.mbarrier_wait(mbar, 0)\n            _tl_store(tid, {_QKV_AT.format(5)}, _tl_time(tz))\n",
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "                    device.store_cache(k_cache, slot, *geom, head - nq, dim, yb, fp8, scale)\n",
+        "                    device.store_cache(k_cache, slot, *geom, head - nq, dim, yb, fp8, scale)\n"
+        f"        _tl_store(tid, {_QKV_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(acc)], m)))\n",
+    ),
+    (
+        "flint_aot/kernels/norm.py",
+        "        eps: Float32,\n    ):",
+        "        eps: Float32,\n        trace: cute.Pointer,\n    ):",
+    ),
+    (
+        "flint_aot/kernels/norm.py",
+        "        cute.arch.griddepcontrol_launch_dependents()\n",
+        "        cute.arch.griddepcontrol_launch_dependents()\n        from flint_aot.kernels import gemv_core as _c\n"
+        "        from flint_aot.kernels import qkv as _q\n\n        tz = row >> 31\n"
+        "        _q._tl_store(tid, trace + (row * 8) * 2, _q._tl_time(tz))\n"
+        "        _q._tl_store(tid, trace + (row * 8 + 7) * 2, _q._tl_smid())\n",
+    ),
+    (
+        "flint_aot/kernels/norm.py",
+        "        r, ss = device.norm_residual(",
+        "        _q._tl_store(tid, trace + (row * 8 + 1) * 2, _q._tl_time(tz))\n        r, ss = device.norm_residual(",
+    ),
+    (
+        "flint_aot/kernels/norm.py",
+        "        y = device.norm_apply(",
+        "        _q._tl_store(tid, trace + (row * 8 + 2) * 2, _q._tl_time(tz))\n        y = device.norm_apply(",
+    ),
+    (
+        "flint_aot/kernels/norm.py",
+        "            device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)\n",
+        "            device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)\n"
+        "        _q._tl_store(tid, trace + (row * 8 + 3) * 2,\n"
+        "                     _q._tl_time(_c.runtime_zero([device.f32_bits(y[0].to(Float32))], tz)))\n",
+    ),
+]
+
+CONFIG = """# tools/timeline.py: instrumented kernels (a diagnostic build, never for serving)
+archs: [sm_90a]
+norm:
+  residual: [true, false]
+qkv:
+  weight_format: [bf16, nvfp4]
+  rope: [true]
+  heads: [[32, 4], [16, 8], [16, 2]]
+  kv_cache_dtype: [bf16]
+  norm: [separate, prologue]
+"""
+
+
+def instrument(dst: Path) -> None:
+    if dst.exists():
+        raise SystemExit(f"{dst} exists; give a new directory")
+    dst.mkdir(parents=True)
+    for d in ("flint_aot", "loader"):
+        shutil.copytree(ROOT / d, dst / d, ignore=shutil.ignore_patterns("__pycache__"))
+    (dst / "configs").mkdir()
+    (dst / "configs" / "timeline.yaml").write_text(CONFIG)
+    for rel, anchor, new in PATCHES:
+        p = dst / rel
+        s = p.read_text()
+        if s.count(anchor) != 1:
+            raise SystemExit(f"{rel}: anchor found {s.count(anchor)} times (the kernel changed; update PATCHES): "
+                             f"{anchor.strip()[:60]!r}")  # fmt: skip
+        p.write_text(s.replace(anchor, new))
+    print(f"instrumented copy in {dst}; build it there: python3 -m flint_aot.cli build configs/timeline.yaml")
+
+
+def run(bundle: str, specs: list[str]) -> None:
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_qkv import D, K, make_weights
+
+    import loader
+    from loader import runtime
+    from loader.reference import make_cos_sin_cache
+
+    cur = {"qkv": 0, "norm": 0}
+    packer = runtime.Launcher.packer
+
+    def traced_packer(self, names, consts):  # fill v_scale (qkv) / the extra trace parameter (norm)
+        if "v_scale" in names:
+            i = names.index("v_scale")
+            pack = packer(self, names, consts)
+            return lambda v: pack(v[:i] + (cur["qkv"],) + v[i + 1 :])
+        pack = packer(self, (*names, "trace"), consts)
+        return lambda v: pack((*v, cur["norm"]))
+
+    runtime.Launcher.packer = traced_packer
+    loader.load_bundle(bundle)
+    torch.manual_seed(0)
+
+    def one(spec):  # one graph per spec
+        h, fmt, m, design = spec.split(":")
+        nq, nkv = map(int, h.split("x"))
+        m = int(m)
+        n = (nq + 2 * nkv) * D
+        wbytes = n * K * 2 if fmt == "bf16" else n * K // 2 + n * K // 16
+        layers = max(8, int(600e6 // wbytes))
+        ws = make_weights(fmt, n, layers)
+        cs = make_cos_sin_cache(4096, device="cuda")
+        nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
+        qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
+        kc = torch.zeros(layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
+        vc = torch.zeros_like(kc)
+        x, r = (torch.randn(m, K, device="cuda").bfloat16() for _ in range(2))
+        pos, slots = torch.arange(m, device="cuda") + 100, torch.arange(m, device="cuda") + 32
+        tq = torch.zeros(layers, n // 16, 8, dtype=torch.int32, device="cuda")
+        tn = torch.zeros(layers, 8, 8, dtype=torch.int32, device="cuda")
+
+        def fused():
+            for i in range(layers):
+                cur["qkv"], cur["norm"] = tq[i].data_ptr(), tn[i].data_ptr()
+                w, wsc, gs = ws[i]
+                loader.flint_qkv_fused(x, r, nw, 1e-6, w, wsc, gs, qn, qn, 1e-6, cs, pos, kc[i], vc[i], slots,
+                                       nq, nkv)  # fmt: skip
+
+        with loader.launch_options(design=design):
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                fused()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+                fused()
+        for _ in range(5):
+            g.replay()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        per_layer = a.elapsed_time(b) * 1e3 / layers
+        t = tq.cpu().numpy().astype(np.int64)
+        base = t[:, :, 0].min()
+        t, sm = (t[:, :, :7] - base) % (1 << 32), t[:, :, 7]  # ns (globaltimer_lo wraps every 4.3 s)
+        nt = (tn.cpu().numpy().astype(np.int64)[:, :m, :4] - base) % (1 << 32)
+        qk = (nq + nkv) * 8  # CTAs of q/k heads (the exchange)
+        rows = []
+        for i in range(3, layers - 3):
+            L, N = t[i], t[i + 1]
+            row = {
+                "span (first wait-return to last store)": L[:, 6].max() - L[:, 2].min(),
+                "gap (last store to next first wait-return)": N[:, 2].min() - L[:, 6].max(),
+                "CTA start to weights in": np.median(L[:, 1] - L[:, 0]),
+                "share of CTAs with weights in before the first wait-return": np.mean(
+                    L[:, 1] < L[:, 2].min()
+                ),
+                "wait-return spread (max - min)": L[:, 2].max() - L[:, 2].min(),
+                "activations in (T3 - T2)": np.median(L[:, 3] - L[:, 2]),
+                "GEMV (T4 - T3)": np.median(L[:, 4] - L[:, 3]),
+                "q/k exchange (T5 - T4)": np.median(L[:qk, 5] - L[:qk, 4]),
+                "stores (T6 - T5)": np.median(L[:qk, 6] - L[:qk, 5]),
+                "next layer's CTAs started before this layer's last store": np.mean(N[:, 0] < L[:, 6].max()),
+            }
+            if design == "separate":
+                nn = nt[i + 1]  # the norm kernel between qkv layers i and i + 1
+                row["norm: wait-return after the last qkv store"] = nn[:, 1].max() - L[:, 6].max()
+                row["norm: wait-return to x in and reduced"] = np.median(nn[:, 2] - nn[:, 1])
+                row["norm: reduced to stores issued"] = np.median(nn[:, 3] - nn[:, 2])
+                row["norm: stores issued to next qkv wait-return"] = N[:, 2].min() - nn[:, 3].max()
+            rows.append(row)
+        per_sm = np.bincount(np.bincount(sm[layers // 2], minlength=132))
+        print(f"\n{spec}: {per_layer:.2f} µs per layer (graph, {layers} layers; instrumented), "
+              f"SMs with 0/1/2/3 CTAs of a layer: {per_sm.tolist()}")  # fmt: skip
+        for k in rows[0]:
+            v = statistics.median(float(r[k]) for r in rows)
+            print(f"  {k}: {v:.2f}" if v <= 1 else f"  {k}: {v:.0f} ns")
+        ws = kc = vc = None
+        torch.cuda.empty_cache()
+
+    for spec in specs:
+        one(spec)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "instrument":
+        instrument(Path(sys.argv[2]).resolve())
+    elif len(sys.argv) >= 4 and sys.argv[1] == "run":
+        run(sys.argv[2], sys.argv[3:])
+    else:
+        raise SystemExit(__doc__)
