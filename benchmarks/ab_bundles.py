@@ -12,10 +12,9 @@ Prints one markdown row per (heads, weights, M, bundle, design): µs per layer, 
 import argparse
 
 import torch
-from bench_qkv import D, K, make_weights, median_graph_us  # (benchmarks/ is the script's directory)
+from bench_qkv import LayerChain, median_graph_us  # (benchmarks/ is the script's directory)
 
 import loader
-from loader.reference import make_cos_sin_cache
 
 
 def main():
@@ -30,38 +29,21 @@ def main():
     rows = []
     for h in args.heads:
         nq, nkv = (int(v) for v in h.split("x"))
-        n = (nq + 2 * nkv) * D
         for fmt in args.fmt:
-            wbytes = n * K * 2 if fmt == "bf16" else n * K // 2 + n * K // 16
-            layers = max(8, int(600e6 // wbytes))
-            ws = make_weights(fmt, n, layers)
-            cs = make_cos_sin_cache(4096, device="cuda")
-            nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
-            qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
-            kc = torch.zeros(layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
-            vc = torch.zeros_like(kc)
+            chain = LayerChain(nq, nkv, fmt)
             for m in args.m:
-                x, r = (torch.randn(m, K, device="cuda").bfloat16() for _ in range(2))
-                pos = torch.arange(m, device="cuda") + 100
-                slots = torch.arange(m, device="cuda") + 32
-
-                def fused():
-                    for i in range(layers):
-                        w, wsc, gs = ws[i]
-                        loader.flint_qkv_fused(x, r, nw, 1e-6, w, wsc, gs, qn, qn, 1e-6, cs, pos, kc[i],
-                                               vc[i], slots, nq, nkv)  # fmt: skip
-
+                fused = chain.fn(m)
                 times = {}
                 for _ in range(2):
                     for b in args.bundles:
                         loader.load_bundle(b)
                         for d in args.designs:
                             with loader.launch_options(design=d):
-                                times.setdefault((b, d), []).append(median_graph_us(fused, layers))
+                                times.setdefault((b, d), []).append(median_graph_us(fused, chain.layers))
                 for (b, d), (t0, t1) in times.items():
                     rows.append(f"| ({nq},{nkv}) | {fmt} | {m} | {b} | {d} | {t0:.2f} | {t1:.2f} |")
                     print(rows[-1], flush=True)
-            ws = kc = vc = None
+            chain = None
             torch.cuda.empty_cache()
     print("\n| heads | weights | M | bundle | design | µs/layer | again |\n|---|---|---|---|---|---|---|")
     print("\n".join(rows))

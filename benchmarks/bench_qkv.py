@@ -79,6 +79,39 @@ def make_weights(fmt, n, layers):
     return out
 
 
+class LayerChain:
+    """L layers of the fused op with distinct weights (enough bytes to defeat the L2) and a BF16 KV cache
+    each, RoPE on: the workload of ab_bundles.py and tools/timeline.py."""
+
+    def __init__(self, nq: int, nkv: int, fmt: str):
+        self.nq, self.nkv = nq, nkv
+        n = (nq + 2 * nkv) * D
+        self.wbytes = n * K * 2 if fmt == "bf16" else n * K // 2 + n * K // 16
+        self.layers = max(8, int(TARGET_BYTES // self.wbytes))
+        self.ws = make_weights(fmt, n, self.layers)
+        self.cs = make_cos_sin_cache(4096, device="cuda")
+        self.nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
+        self.qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
+        self.kc = torch.zeros(self.layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
+        self.vc = torch.zeros_like(self.kc)
+
+    def fn(self, m: int, before_layer=None):
+        """A function running every layer once for m tokens (random activations and residual, positions from
+        100, slots from 32); before_layer(i), if given, runs before layer i's call."""
+        x, r = (torch.randn(m, K, device="cuda").bfloat16() for _ in range(2))
+        pos, slots = torch.arange(m, device="cuda") + 100, torch.arange(m, device="cuda") + 32
+
+        def run():
+            for i in range(self.layers):
+                if before_layer is not None:
+                    before_layer(i)
+                w, wsc, gs = self.ws[i]
+                loader.flint_qkv_fused(x, r, self.nw, 1e-6, w, wsc, gs, self.qn, self.qn, 1e-6, self.cs, pos,
+                                       self.kc[i], self.vc[i], slots, self.nq, self.nkv)  # fmt: skip
+
+        return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)

@@ -168,11 +168,10 @@ def run(bundle: str, specs: list[str]) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_qkv import D, K, make_weights
+    from bench_qkv import D, LayerChain
 
     import loader
     from loader import runtime
-    from loader.reference import make_cos_sin_cache
 
     cur = {"qkv": 0, "norm": 0}
     packer = runtime.Launcher.packer
@@ -193,26 +192,15 @@ def run(bundle: str, specs: list[str]) -> None:
         h, fmt, m, design = spec.split(":")
         nq, nkv = map(int, h.split("x"))
         m = int(m)
-        n = (nq + 2 * nkv) * D
-        wbytes = n * K * 2 if fmt == "bf16" else n * K // 2 + n * K // 16
-        layers = max(8, int(600e6 // wbytes))
-        ws = make_weights(fmt, n, layers)
-        cs = make_cos_sin_cache(4096, device="cuda")
-        nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
-        qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
-        kc = torch.zeros(layers, 64, 16, nkv, D, dtype=torch.bfloat16, device="cuda")
-        vc = torch.zeros_like(kc)
-        x, r = (torch.randn(m, K, device="cuda").bfloat16() for _ in range(2))
-        pos, slots = torch.arange(m, device="cuda") + 100, torch.arange(m, device="cuda") + 32
+        chain = LayerChain(nq, nkv, fmt)
+        layers, n = chain.layers, (nq + 2 * nkv) * D
         tq = torch.zeros(layers, n // 16, 8, dtype=torch.int32, device="cuda")
         tn = torch.zeros(layers, 8, 8, dtype=torch.int32, device="cuda")
 
-        def fused():
-            for i in range(layers):
-                cur["qkv"], cur["norm"] = tq[i].data_ptr(), tn[i].data_ptr()
-                w, wsc, gs = ws[i]
-                loader.flint_qkv_fused(x, r, nw, 1e-6, w, wsc, gs, qn, qn, 1e-6, cs, pos, kc[i], vc[i], slots,
-                                       nq, nkv)  # fmt: skip
+        def point(i):  # the trace buffers of layer i
+            cur["qkv"], cur["norm"] = tq[i].data_ptr(), tn[i].data_ptr()
+
+        fused = chain.fn(m, point)
 
         with loader.launch_options(design=design):
             s = torch.cuda.Stream()
@@ -266,7 +254,6 @@ def run(bundle: str, specs: list[str]) -> None:
         for k in rows[0]:
             v = statistics.median(float(r[k]) for r in rows)
             print(f"  {k}: {v:.2f}" if v <= 1 else f"  {k}: {v:.0f} ns")
-        ws = kc = vc = None
         torch.cuda.empty_cache()
 
     for spec in specs:
