@@ -1,0 +1,55 @@
+"""tools/timeline.py instruments a copy of the kernels by text anchors: a kernel edit that moves an anchor must
+fail here, not on the GPU machine. With the DSL, the instrumented kernels must also compile and read the
+global timer where the tool says."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_dsl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _instrument(tmp_path) -> Path:
+    dst = tmp_path / "tl"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "timeline.py"), "instrument", str(dst)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dst
+
+
+def test_every_anchor_is_found_once(tmp_path):
+    dst = _instrument(tmp_path)
+    qkv = (dst / "flint_aot/kernels/qkv.py").read_text()
+    norm = (dst / "flint_aot/kernels/norm.py").read_text()
+    assert all(f"v_scale + (cta * 8 + {i})" in qkv for i in range(8))  # T0..T6 and the SM id
+    assert all(f"trace + (row * 8 + {i}) * 2" in norm for i in (1, 2, 3, 7))
+    assert "TRACE_CB(st" in (dst / "flint_aot/kernels/gemv_core.py").read_text()
+    assert "debug" not in (dst / "configs/timeline.yaml").read_text()  # no serving keys changed
+    # the repository's own kernels are untouched
+    assert "_tl_store" not in (ROOT / "flint_aot/kernels/qkv.py").read_text()
+
+
+@needs_dsl
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt):
+    from tests.test_sass import _sass
+
+    dst = _instrument(tmp_path)
+    code = (
+        "import sys; from loader import abi; from flint_aot.kernels import qkv, norm\n"
+        f"c = qkv.compile(abi.qkv_spec('{fmt}', True, 16, 2, 'bf16', 'separate'), 'sm_90a', 'flint_t')\n"
+        "n = norm.compile(abi.norm_spec(True), 'sm_90a', 'flint_n')\n"
+        "open('q.cubin', 'wb').write(c.cubin); open('n.cubin', 'wb').write(n.cubin)\n"
+        "print([p[0] for p in n.params])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=dst, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "'trace'" in r.stdout  # the norm kernel's extra parameter
+    q = _sass((dst / "q.cubin").read_bytes(), tmp_path)
+    n = _sass((dst / "n.cubin").read_bytes(), tmp_path)
+    assert sum("SR_GLOBALTIMERLO" in ln for ln in q) == 7 and sum("SR_GLOBALTIMERLO" in ln for ln in n) == 4
+    assert not any("STL" in ln or "LDL" in ln for ln in q + n)
