@@ -1,6 +1,6 @@
-"""tools/timeline.py instruments a copy of the kernels by text anchors: a kernel edit that moves an anchor must
-fail here, not on the GPU machine. With the DSL, the instrumented kernels must also compile and read the
-global timer where the tool says."""
+"""tools/timeline.py instruments a copy of the kernels by text anchors: a kernel edit that moves an anchor
+must fail here, not on the GPU machine. With the DSL, the instrumented kernels must also compile and read
+the global timer where the tool says."""
 
 import subprocess
 import sys
