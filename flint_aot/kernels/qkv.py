@@ -7,7 +7,9 @@ Each CTA
    whole weight slice (BF16: 64 KiB into registers; NVFP4: codes + scales, and 3/4 of the decode), and only
    then waits (griddepcontrol.wait) for the kernel before it: the weight stream overlaps that kernel;
 2. copies 1/8 of the activations (k in [256 r, 256 r + 256) of every token) with one multicast bulk copy per
-   token into all 8 CTAs' shared memory: x is read from L2 once per cluster, not once per CTA;
+   token into all 8 CTAs' shared memory: x is read from L2 once per cluster, not once per CTA. The copying
+   threads wait for the predecessor themselves; with BF16 weights they copy as soon as the weight loads are
+   issued (before step 1's wait, while the weights still arrive), with NVFP4 after it;
    - separate design: the activations are xn, written by the norm kernel before it;
    - prologue design: they are x (and the residual, into a second buffer), and every CTA then computes the
      input RMSNorm of all tokens in its shared memory (device.norm_*: the norm kernel's arithmetic and
