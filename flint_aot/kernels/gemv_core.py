@@ -290,6 +290,7 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
     after it, so ptxas cannot hoist the waits above it). Returns the state for row_sums."""
     st = {}
     if fp4:
+        assert issued is None, "NVFP4: a warp waiting in issued() could not decode before the wait"
         codes, scw = issue_fp4_loads(w, wsc, row0, tid)
         st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
         st["D"] = fp4_decode_rows(codes, scw, range(pre), tid)
@@ -300,14 +301,13 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
                 flat.extend(regs)
     else:
         st["A"] = issue_weight_loads(w, row0, tid)
+        flat = []
         if issued is not None:
             issued()
-        flat = []
+            flat.append(Int32(cute.arch.clock64()))  # the guard's chain starts after issued()
         for lo, hi in st["A"]:
             flat.extend(lo)
             flat.extend(hi)
-    if issued is not None:
-        flat = [Int32(cute.arch.clock64())] + flat
     st["zero"] = runtime_zero(flat, m)
     guarded_wait(st["zero"])
     return st
