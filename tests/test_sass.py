@@ -39,8 +39,9 @@ def _sass(cubin: bytes, tmp_path) -> list[str]:
 
 
 def _split(sass, expect=1):
-    """(before, after) the first griddepcontrol.wait (ACQBULK). The qkv kernel has two: the activation copy's
-    threads wait for the predecessor themselves, the whole CTA after its weights (the guarded wait)."""
+    """(before, after) the first griddepcontrol.wait (ACQBULK). The qkv kernel has two: the threads that copy
+    the activations (the prologue design: all, for the input norm's slices) wait for the predecessor
+    themselves, the whole CTA after its weights (the guarded wait)."""
     waits = [i for i, ln in enumerate(sass) if "ACQBULK" in ln]
     assert len(waits) == expect, f"expected {expect} griddepcontrol.wait (ACQBULK), got {len(waits)}"
     return sass[: waits[0]], sass[waits[0] + 1 :]
@@ -87,12 +88,15 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, arch):
     assert all(ln in before for ln in weights) and not any("CONSTANT" in ln for ln in after)
     assert len(weights) == (32 if fmt == "bf16" else 16)  # 16 B each (BF16); 8 x 16 B codes + 8 x 4 B scales
     x_loads = [ln for ln in sass if re.search(r"\bLDG\.E\.128\b", ln) and "CONSTANT" not in ln]
-    if kind == "qkv":  # activations read once per cluster: multicast bulk copies, issued after the wait
-        bulk = [ln for ln in sass if "UBLKCP" in ln and "MULTICAST" in ln]
-        assert bulk and all(ln in after for ln in bulk)
-        assert len(bulk) == (2 if norm == "prologue" else 1)  # x (and the residual)
-        # the prologue reads its norm weight (2 x 16 B per thread) after the wait; no other global 16 B load
-        assert len(x_loads) == (2 if norm == "prologue" else 0) and all(ln in after for ln in x_loads)
+    bulk = [ln for ln in sass if "UBLKCP" in ln and "MULTICAST" in ln]
+    if norm == "separate":  # xn read once per cluster: one multicast bulk copy, after the copier's own wait
+        assert len(bulk) == 1 and bulk[0] in after and not x_loads
+    elif norm == "prologue":  # each CTA reads its slice of x and the residual (4 warps x 2 tokens, with and
+        # without a residual: 2 + 1 loads each) and its norm weight (2 chunks), all after the wait; the slices
+        # go to the peers by st.async (7 x 16 B of r and one 4-byte sum per token, in both branches)
+        assert not bulk and len(x_loads) == 2 + 2 * 3 and all(ln in after for ln in x_loads)
+        assert sum(bool(re.search(r"\bSTAS\.128\b", ln)) for ln in after) == 2 * 2 * 7
+    if kind == "qkv":
         assert sum(bool(re.search(r"\bLDS\.128\b", ln)) for ln in after) >= 16
     else:
         assert len(x_loads) == 16 and all(ln in after for ln in x_loads), "x must be read after the wait"

@@ -6,14 +6,18 @@ Each CTA
 1. releases its own PDL dependents, initialises its mbarriers, arrives on the cluster barrier, issues its
    whole weight slice (BF16: 64 KiB into registers; NVFP4: codes + scales, and 3/4 of the decode), and only
    then waits (griddepcontrol.wait) for the kernel before it: the weight stream overlaps that kernel;
-2. copies 1/8 of the activations (k in [256 r, 256 r + 256) of every token) with one multicast bulk copy per
-   token into all 8 CTAs' shared memory: x is read from L2 once per cluster, not once per CTA. The copying
-   threads wait for the predecessor themselves; with BF16 weights they copy as soon as the weight loads are
-   issued (before step 1's wait, while the weights still arrive), with NVFP4 after it;
-   - separate design: the activations are xn, written by the norm kernel before it;
-   - prologue design: they are x (and the residual, into a second buffer), and every CTA then computes the
-     input RMSNorm of all tokens in its shared memory (device.norm_*: the norm kernel's arithmetic and
-     summation order, so xn is bit-identical); the 8 CTAs of the first head write residual_out, 1/8 each;
+2. gets the activations of every token into its shared memory, 1/8 of them (k in [256 r, 256 r + 256),
+   rank r) from each CTA of the cluster, so that they are read from L2 once per cluster, not once per CTA.
+   The threads that fetch them wait for the predecessor themselves; with BF16 weights they start as soon
+   as the weight loads are issued (before step 1's wait, while the weights still arrive), with NVFP4
+   after it;
+   - separate design: the activations are xn, written by the norm kernel before it: one multicast bulk
+     copy per token into all 8 CTAs;
+   - prologue design: the input RMSNorm split over the cluster. Rank r reads slice r of x and the
+     residual of every token (one warp per token: exactly the norm kernel's warp r), sends r = bf16(x +
+     residual) and the slice's sum of squares to its 7 peers (st.async), and once every slice is in,
+     each CTA adds the 8 sums in warp order and turns r into xn (device.norm_*: the norm kernel's
+     arithmetic and order, so xn is bit-identical); the 8 CTAs of the first head write residual_out;
 3. computes its 16 rows for all tokens (gemv_core: fragment math, K split, summation order) and rounds them
    to bf16;
 4. v head: writes its rows to the paged cache. q/k head: sends its per-token partial sums of squares to
@@ -38,7 +42,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from flint_aot.kernels import device
 from flint_aot.kernels import gemv_core as core
 from flint_aot.kernels.compile import compile_kernel
-from flint_aot.kernels.device import NORM_VEC, NORM_WARPS
+from flint_aot.kernels.device import NORM_VEC
 from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, MAX_M
 
 R = core.ROWS
@@ -81,16 +85,15 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
         ssq = cute.arch.alloc_smem(Float32, CLUSTER * MAX_M, alignment=16)  # [src rank][token]
         pv = cute.arch.alloc_smem(Float32, R * MAX_M, alignment=16)  # partner rows [row][token]
         mbar = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        # The activations are read once per cluster: CTA r copies k in [256 r, 256 r + 256) of every token
-        # with a multicast bulk copy into all 8 CTAs' shared memory, completing on mbx. q/k heads also receive
-        # their peers' st.async on mbar. Both are initialised now, before this CTA arrives on the cluster
-        # barrier; the wait comes before anyone targets a peer.
+        # The activations arrive on mbx: the cluster's multicast copies (separate design) or the peers' slices
+        # of r and sums of squares (prologue design; ssn: [src rank][token], apart from ssq, which a peer
+        # ahead of this CTA may already be writing). q/k heads also receive their peers' st.async on mbar.
+        # Both are initialised now, before this CTA arrives on the cluster barrier; the wait comes before
+        # anyone targets a peer.
         xs = cute.arch.alloc_smem(BFloat16, MAX_M * xrow, alignment=128)
-        rs = xs
+        ssn = ssq
         if cutlass.const_expr(prologue):
-            rs = cute.arch.get_dyn_smem(
-                BFloat16, alignment=128
-            )  # the residual, same layout (> 48 KiB static)
+            ssn = cute.arch.alloc_smem(Float32, CLUSTER * MAX_M, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if tid == 0:
             cute.arch.mbarrier_init(mbx, 1)
@@ -99,9 +102,9 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_warp()  # orders the inits before the arrives for racecheck (same thread anyway)
         if tid == 0:
-            act_bytes = m * (core.K * 2)
-            if cutlass.const_expr(prologue):
-                act_bytes = act_bytes * (1 + has_residual)
+            act_bytes = m * (core.K * 2)  # the multicast copies of x
+            if cutlass.const_expr(prologue):  # the 7 peers' slices of r and the 8 slices' sums of squares
+                act_bytes = m * ((CLUSTER - 1) * K_PART * 2 + CLUSTER * 4)
             cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes)
             if not is_v:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, rx_bytes)
@@ -115,11 +118,14 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
         )
 
         # ---- the weight stream, issued before griddepcontrol.wait (which follows it)
-        # BF16: the activations are copied as soon as the weight loads are issued (by threads that wait for
-        # the predecessor themselves), NVFP4 after the guarded wait: a copying thread's warp cannot decode
-        # while it waits (measured: BF16 up to 0.17 us per layer faster, NVFP4 0.1-0.35 slower that way)
+        # BF16: the activations are fetched as soon as the weight loads are issued (by threads that wait for
+        # the predecessor themselves), NVFP4 after the guarded wait: a waiting thread's warp cannot decode
+        # (measured, two-kernel design: BF16 up to 0.17 us per layer faster, NVFP4 0.1-0.35 slower that way)
         def copy():
-            copy_activations(tid, m, rank, xs, rs, x, residual, mbx, has_residual, xrow, prologue)
+            if cutlass.const_expr(prologue):
+                norm_slices(xs, xrow, ssn, x, residual, residual_out, m, has_residual, tid, head, rank, mbx)
+            else:
+                copy_activations(tid, m, rank, xs, x, mbx, xrow)
 
         wst = core.weights_then_wait(fp4, weight, weight_scale, global_scale, cta * R, tid, m,
                                      core.FP4_PRE_QKV, issued=None if fp4 else copy)  # fmt: skip
@@ -140,7 +146,7 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
             scale = Float32(cutlass.select_(is_v, device.at(v_scale, 0)[0], device.at(k_scale, 0)[0]))
 
         if cutlass.const_expr(prologue):
-            input_norm(xs, rs, xrow, residual_out, norm_weight, m, has_residual, eps, tid, cta, mbx)
+            input_norm(xs, xrow, ssn, norm_weight, m, eps, tid, mbx)
 
         acc = core.row_sums(fp4, wst, core.SharedX(xs, xrow, mbx), m, tid)
         h = acc.to(BFloat16)  # qkv[tk, head * 128 + dim], rounded once
@@ -181,65 +187,82 @@ def make_kernel(weight_format: str, rope: bool, nq: int, nkv: int, fp8: bool, pr
 
 
 @cute.jit
-def copy_activations(tid, m, rank, xs, rs, x, residual, mbx, has_residual, xrow: cutlass.Constexpr,
-                     prologue: cutlass.Constexpr):  # fmt: skip
+def copy_activations(tid, m, rank, xs, x, mbx, xrow: cutlass.Constexpr):
     """Wait on the cluster barrier (every peer's mbarriers are initialised), then threads tid < m wait for
     the predecessor themselves (griddepcontrol.wait: the copies need no weights, which may still be in
-    flight) and copy this CTA's 1/8 of token tid's activations into all 8 CTAs (the residual too in the
-    prologue design)."""
+    flight) and copy this CTA's 1/8 of token tid's activations into all 8 CTAs."""
     cute.arch.cluster_wait()
     if tid < m:
         cute.arch.griddepcontrol_wait()
         part = rank * K_PART
         device.bulk_multicast(xs + (tid * xrow + part), x + (tid * core.K + part), mbx, K_PART * 2)
-        if cutlass.const_expr(prologue):
-            if has_residual != 0:
-                device.bulk_multicast(rs + (tid * xrow + part), residual + (tid * core.K + part), mbx,
-                                      K_PART * 2)  # fmt: skip
 
 
 @cute.jit
-def input_norm(
-    xs, rs, xrow: cutlass.Constexpr, residual_out, norm_weight, m, has_residual, eps, tid, cta, mbx
-):
-    """The prologue design's input RMSNorm, in shared memory, for all m tokens (x in xs, the residual in rs,
-    both brought in by the cluster's multicast copies): xs becomes xn. Thread tid plays the norm kernel's
-    threads tid and tid + 128 (8-element chunks; virtual warps w and w + 4), so sums and roundings are those
-    of the norm kernel. The CTAs of the first head write residual_out: CTA c the chunks of virtual warp c."""
+def norm_slices(xs, xrow: cutlass.Constexpr, ssn, x, residual, residual_out, m, has_residual, tid, head, rank,
+                mbx):  # fmt: skip
+    """The prologue design's input RMSNorm, first half, split over the cluster: once every peer's mbarrier is
+    initialised (cluster barrier) and the predecessor is done (each thread waits for it itself), CTA rank r
+    computes slice r of every token (k in [256 r, 256 r + 256): exactly the norm kernel's warp r; one warp
+    per token here, 8 elements per lane, the same butterfly), keeps r = bf16(x + residual) in its shared
+    memory and sends it (st.async) and its warp sum to the 7 peers. The CTAs of the first head write
+    residual_out, slice r each."""
+    cute.arch.cluster_wait()
+    cute.arch.griddepcontrol_wait()
+    warp, lane, _, _ = device.lanes(tid)
+    col = rank * K_PART + lane * NORM_VEC  # this lane's chunk of the CTA's slice
+    for j in range(MAX_M // core.WARPS):  # token warp + 4 j
+        t = warp + j * core.WARPS
+        if t < m:
+            if has_residual != 0:
+                norm_slice(xs, xrow, ssn, x, residual, residual_out, t, col, lane, head, rank, mbx, True)
+            else:
+                norm_slice(xs, xrow, ssn, x, residual, residual_out, t, col, lane, head, rank, mbx, False)
+
+
+@cute.jit
+def input_norm(xs, xrow: cutlass.Constexpr, ssn, norm_weight, m, eps, tid, mbx):
+    """The second half, after norm_slices: once the mbarrier has every peer's slice and sum, every CTA holds
+    r and the 8 sums of every token, adds the sums in warp order (device.norm_scale) and turns xs into xn.
+    The norm kernel's arithmetic and order: xn is bit-identical."""
     chunks = (tid, tid + core.THREADS)
     w = [device.load_vec(norm_weight + v * NORM_VEC, NORM_VEC) for v in chunks]
-    red = cute.make_tensor(cute.arch.alloc_smem(Float32, MAX_M * NORM_WARPS, alignment=16),
-                           cute.make_layout(MAX_M * NORM_WARPS))  # fmt: skip
-    if has_residual == 0:  # r = x + (-0.0) = x exactly, with the same code path
-        for i in range(m):
-            for v in chunks:
-                off = cute.assume(i * xrow + v * NORM_VEC, divby=NORM_VEC)
-                device.store_vec(rs + off, cute.full((NORM_VEC,), -0.0, BFloat16), NORM_VEC)
     cute.arch.mbarrier_wait(mbx, 0)
-    lane = tid % 32
+    cute.arch.sync_threads()  # (this CTA's own slice was written by its threads, not through the mbarrier)
+    sn = cute.make_tensor(ssn, cute.make_layout(CLUSTER * MAX_M))
     for i in range(m):
-        for v in chunks:
-            off = cute.assume(i * xrow + v * NORM_VEC, divby=NORM_VEC)
-            r, ss = device.norm_residual(
-                device.load_vec(xs + off, NORM_VEC), device.load_vec(rs + off, NORM_VEC)
-            )
-            rb = r.to(BFloat16)
-            device.store_vec(xs + off, rb, NORM_VEC)
-            if has_residual != 0 and cta == v // 32:
-                device.store_vec(
-                    residual_out + cute.assume(i * core.K + v * NORM_VEC, divby=NORM_VEC), rb, NORM_VEC
-                )
-            ss = cute.arch.warp_reduction_sum(ss)
-            if lane == 0:
-                red[i * NORM_WARPS + v // 32] = ss
-    cute.arch.sync_threads()
-    for i in range(m):
-        s = device.norm_scale([red[i * NORM_WARPS + j] for j in range(NORM_WARPS)], eps)
+        s = device.norm_scale([sn[j * MAX_M + i] for j in range(CLUSTER)], eps)
         for j, v in enumerate(chunks):
             off = cute.assume(i * xrow + v * NORM_VEC, divby=NORM_VEC)
             r = device.load_vec(xs + off, NORM_VEC).to(Float32)
             device.store_vec(xs + off, device.norm_apply(r, s, w[j]), NORM_VEC)
     cute.arch.sync_threads()
+
+
+@cute.jit
+def norm_slice(xs, xrow: cutlass.Constexpr, ssn, x, residual, residual_out, t, col, lane, head, rank, mbx,
+               res: cutlass.Constexpr):  # fmt: skip
+    """input_norm's part of one token in one warp: this lane's chunk of r, the warp's sum of squares; r kept
+    in xs and sent to the 7 peers, the sum to all 8 (lane d to rank d)."""
+    off = cute.assume(t * core.K + col, divby=NORM_VEC)
+    if cutlass.const_expr(res):
+        rv = device.load_vec(residual + off, NORM_VEC)
+    else:  # r = x + (-0.0) = x exactly: the same arithmetic as with a residual
+        rv = cute.full((NORM_VEC,), -0.0, BFloat16)
+    r, ss = device.norm_residual(device.load_vec(x + off, NORM_VEC), rv)
+    ss = cute.arch.warp_reduction_sum(ss)
+    rb = r.to(BFloat16)
+    if cutlass.const_expr(res):
+        if head == 0:
+            device.store_vec(residual_out + off, rb, NORM_VEC)
+    xo = cute.assume(t * xrow + col, divby=NORM_VEC)
+    device.store_vec(xs + xo, rb, NORM_VEC)
+    words = device.load_vec(cute.recast_ptr(xs + xo, dtype=Int32), 4)  # (this thread's own store)
+    for d in range(1, CLUSTER):
+        cute.arch.store_async_dsmem(xs + xo, (words[0], words[1], words[2], words[3]), mbx,
+                                    (rank + d) % CLUSTER)  # fmt: skip
+    if lane < CLUSTER:  # lane d sends the slice's sum to rank d
+        cute.arch.store_async_dsmem(ssn + (rank * MAX_M + t), device.f32_bits(ss), mbx, lane)
 
 
 def kernel(spec: dict):
@@ -253,7 +276,6 @@ def kernel(spec: dict):
 def compile(spec: dict, arch: str, entry_prefix: str):
     fp4 = spec["weight_format"] == "nvfp4"
     fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
-    prologue = spec.get("norm", "separate") == "prologue"
     cache = (cutlass.Uint8, 1) if fp8 else (BFloat16, 2)
     ptr_types = {
         "weight": (cutlass.Uint8 if fp4 else BFloat16, 16), "weight_scale": (cutlass.Uint8, 4),
@@ -261,7 +283,6 @@ def compile(spec: dict, arch: str, entry_prefix: str):
         "slot_mapping": (Int64, 8), "k_cache": cache, "v_cache": cache, "k_scale": (Float32, 4),
         "v_scale": (Float32, 4),
     }  # fmt: skip
-    dyn = MAX_M * smem_row(fp4) * 2 if prologue else 0
     return compile_kernel(kernel(spec), kind="qkv", arch=arch, entry_prefix=entry_prefix,
-                          block=(core.THREADS, 1, 1), cluster=(CLUSTER, 1, 1), dyn_smem=dyn,
+                          block=(core.THREADS, 1, 1), cluster=(CLUSTER, 1, 1),
                           ptr_types=ptr_types)  # fmt: skip
