@@ -308,13 +308,25 @@ class Launcher:
             return  # CUDA_SUCCESS
         err = cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
         if err != _SUCCESS:
-            # A thread that never used this device through the driver (or last used another one) lacks its
-            # context: make the module's context current and try once more.
             cur = cu.cuCtxGetCurrent()[1]
             if cur is None or int(cur) != int(self.ctx):
-                _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-                err = cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
+                err = self._launch_in_context(cfg, cur)
             _check((err,), f"launch {self.entry.entry}")
+
+    def _launch_in_context(self, cfg, cur):
+        """The launch from a thread whose current context is not the kernel's: another device's, or none. The
+        thread's current device (torch.cuda.current_device()) stays what it was, as after a torch op: the
+        kernel's context is pushed for the launch and popped after it, unless the thread has none and its
+        current device is already this one (then the context is made current and stays, as torch's first
+        use of the device would do, and the thread's next launches take the fast path)."""
+        if cur is None and torch.cuda.current_device() == self.dev:
+            _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            return cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
+        _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
+        try:
+            return cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
+        finally:
+            cu.cuCtxPopCurrent()
 
 
 def thread_cache() -> dict:

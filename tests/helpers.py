@@ -184,6 +184,8 @@ def _cos_sin(max_pos: int, dev: torch.device) -> torch.Tensor:
     test may write it)."""
     from loader.reference import make_cos_sin_cache
 
+    if dev.type == "cuda" and dev.index is None:  # "cuda": the current device, which may change
+        dev = torch.device("cuda", torch.cuda.current_device())
     key = (max_pos, str(dev))
     if key not in _COS_SIN:
         _COS_SIN[key] = make_cos_sin_cache(max_pos, device=dev)

@@ -81,6 +81,39 @@ def test_second_device(gpu_bundle):
     check(c, q, r, kb, vb)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_calls_keep_the_current_device(gpu_bundle):
+    """A call on another device's tensors leaves the thread's current device as it was, as a torch op does
+    (the loader pushes and pops the kernel's context), from the main thread and from a new thread with no
+    context, with right results on both devices."""
+    import loader
+
+    seen, errors = {}, []
+
+    def calls(tag):
+        try:
+            for dev, seed in (("cuda:1", 80), ("cuda:0", 81), ("cuda:1", 82), ("cuda:0", 83)):
+                c = make_case(2, 16, 2, True, seed=seed, device=dev)
+                kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
+                before = torch.cuda.current_device()
+                q, r = loader.flint_qkv_fused(**op_args(c))
+                seen.setdefault(tag, []).append((dev, before, torch.cuda.current_device()))
+                torch.cuda.synchronize(dev)
+                check(c, q, r, kb, vb)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((tag, repr(e)))
+
+    torch.cuda.set_device(0)
+    calls("main")
+    t = threading.Thread(target=calls, args=("new thread",))
+    t.start()
+    t.join()
+    assert not errors, errors
+    for tag, rows in seen.items():
+        assert all(before == after for _, before, after in rows), (tag, rows)
+    assert torch.cuda.current_device() == 0
+
+
 def test_failed_load_leaves_context_usable(gpu_bundle, tmp_path):
     import loader
     from loader.bundle import BundleError
