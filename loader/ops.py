@@ -404,7 +404,7 @@ def _norm_launcher(dev: int, has_res: bool):
 
 def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
     e, has_res = _eps("eps", eps), residual is not None
-    ts = (x, residual if has_res else _N[0], weight)
+    ts = (x, weight, residual) if has_res else (x, weight)  # (an absent tensor costs the guard nothing)
 
     def build():
         m, dev = _x(x)
@@ -416,11 +416,11 @@ def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
 
     p = _plan(("norm", has_res), ts, build)
     P = tuple(map(_data_ptr, ts))
-    if (P[0] | P[1] | P[2]) & 15:
+    if (P[0] | P[1] | P[-1]) & 15:
         _misaligned(build)
     xn = torch.empty_like(x)
     res_out = torch.empty_like(x) if has_res else x
-    p.pack((P[0], P[1] if has_res else P[0], res_out.data_ptr(), xn.data_ptr(), P[2], e))
+    p.pack((P[0], P[2] if has_res else P[0], res_out.data_ptr(), xn.data_ptr(), P[1], e))
     p.k.launch(p.m, _raw_stream(p.dev), _options().pdl)
     return xn, res_out
 
@@ -511,8 +511,9 @@ def flint_qkv_fused(
     ts = (x, residual if has_res else _N[0], norm_weight, weight,
           _N[1] if weight_scale is None else weight_scale, _N[2] if global_scale is None else global_scale,
           q_norm_weight, k_norm_weight, cos_sin_cache if rope else _N[3], positions, k_cache, v_cache,
-          slot_mapping, _N[4] if k_scale is None else k_scale,
-          _N[5] if v_scale is None else v_scale)  # fmt: skip
+          slot_mapping)  # fmt: skip
+    if k_scale is not None or v_scale is not None:  # (absent, they cost the plan's guard nothing)
+        ts += (_N[4] if k_scale is None else k_scale, _N[5] if v_scale is None else v_scale)
 
     def build():
         m, dev = _x(x)
@@ -543,8 +544,8 @@ def flint_qkv_fused(
     p = _plan(("qkv", nq, nkv, has_res, weight_scale is None, global_scale is None, rope, k_scale is None,
                v_scale is None, design, opts.design is None), ts, build)  # fmt: skip
     P = tuple(map(_data_ptr, ts))
-    if (P[0] | P[1] | P[2] | P[3] | P[6] | P[7] | P[8]) & 15 or (P[9] | P[12]) & 7 or (
-            P[4] | P[5] | P[13] | P[14]) & 3:  # fmt: skip
+    if (P[0] | P[1] | P[2] | P[3] | P[6] | P[7] | P[8]) & 15 or (P[9] | P[12]) & 7 or (P[4] | P[5]) & 3 or (
+            len(P) > 13 and (P[13] | P[14]) & 3):  # fmt: skip
         _misaligned(build)
     if (p.placeholder or opts.bounds_check or P[11] - P[10] not in p.deltas
             or p.fp8 and not _scales_seen(k_scale, v_scale)):  # fmt: skip
@@ -579,8 +580,10 @@ def gemv(
     §2). Returns a new bf16 [M, N] tensor (docs/api.md §5)."""
     if _compiling():
         return torch.ops.flint.gemv(x, weight, weight_scale, global_scale)
-    ts = (x, weight, _N[1] if weight_scale is None else weight_scale,
-          _N[2] if global_scale is None else global_scale)  # fmt: skip
+    ts = (x, weight)
+    if weight_scale is not None or global_scale is not None:  # (absent, they cost the plan's guard nothing)
+        ts += (_N[1] if weight_scale is None else weight_scale,
+               _N[2] if global_scale is None else global_scale)  # fmt: skip
 
     def build():
         m, dev = _x(x)
@@ -592,7 +595,7 @@ def gemv(
 
     p = _plan(("gemv", weight_scale is None, global_scale is None), ts, build)
     P = tuple(map(_data_ptr, ts))
-    if (P[0] | P[1]) & 15 or (P[2] | P[3]) & 3:
+    if (P[0] | P[1]) & 15 or len(P) > 2 and (P[2] | P[3]) & 3:
         _misaligned(build)
     y = torch.empty_like(p.like)
     p.pack((P[0], P[1], *(P[2:] if p.fp4 else (P[1], P[1])), y.data_ptr()))
@@ -646,14 +649,15 @@ def qk_norm_rope_cache(
     nq, nkv = _heads(num_q_heads, num_kv_heads)
     qe, opts, rope = _eps("qk_eps", qk_eps), _options(), cos_sin_cache is not None
     ts = (qkv, q_norm_weight, k_norm_weight, cos_sin_cache if rope else _N[3], positions, k_cache, v_cache,
-          slot_mapping, _N[4] if k_scale is None else k_scale,
-          _N[5] if v_scale is None else v_scale)  # fmt: skip
+          slot_mapping)  # fmt: skip
+    if k_scale is not None or v_scale is not None:  # (absent, they cost the plan's guard nothing)
+        ts += (_N[4] if k_scale is None else k_scale, _N[5] if v_scale is None else v_scale)
 
     args = (qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
             slot_mapping, nq, nkv, k_scale, v_scale)  # fmt: skip
     p = _plan(("qknrc", nq, nkv, rope, k_scale is None, v_scale is None), ts, _qknrc_plan, args)
     P = tuple(map(_data_ptr, ts))
-    if (P[0] | P[1] | P[2] | P[3]) & 15 or (P[4] | P[7]) & 7 or (P[8] | P[9]) & 3:
+    if (P[0] | P[1] | P[2] | P[3]) & 15 or (P[4] | P[7]) & 7 or len(P) > 8 and (P[8] | P[9]) & 3:
         _misaligned(_qknrc_plan, args)
     if (p.placeholder or opts.bounds_check or P[6] - P[5] not in p.deltas
             or p.fp8 and not _scales_seen(k_scale, v_scale)):  # fmt: skip
