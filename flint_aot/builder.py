@@ -173,7 +173,7 @@ def _entry(s: Specialization, key: str, cubin: bytes, meta: dict) -> KernelEntry
         cluster=tuple(meta["cluster"]),
         dyn_smem=int(meta["dyn_smem"]),
         grid=tuple(meta["grid"]),
-        params=tuple(Param(n, t) for n, t in meta["params"]),
+        params=tuple(Param(*p) for p in meta["params"]),
         build_key=key,
         registers=(info.registers or 0) if info else 0,
     )

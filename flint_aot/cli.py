@@ -175,7 +175,8 @@ def verify(bundle):
         bad += bool(problems)
     if bad:
         raise click.ClickException(f"{bad} of {len(results)} entries of {b.path} failed; rebuild the bundle")
-    click.echo(f"{len(b.manifest.kernels)} cubins verified")
+    n = len(b.manifest.kernels)
+    click.echo(f"{n} cubin{'s' * (n != 1)} verified")
 
 
 @main.command()

@@ -157,7 +157,20 @@ def validate(raw, source: str = "<config>") -> dict:
             f"{source}: <top level>: no kernels requested; accepted: one or more of the sections "
             + ", ".join(KINDS)
         )
+    _servable(out, source)
     return out
+
+
+def _servable(c: dict, source: str) -> None:
+    """Refuse a config from which an op could not run: flint_qkv_fused in the two-kernel design launches the
+    norm kernel before the qkv kernel, with a residual or without (the first layer)."""
+    if "separate" in c.get("qkv", {}).get("norm", []):
+        have = set(c.get("norm", {}).get("residual", []))
+        if have != {True, False}:
+            missing = " and ".join(f"residual={str(r).lower()}" for r in (True, False) if r not in have)
+            raise ConfigError(f"{source}: qkv.norm: the separate design needs the norm kernel with "
+                              f"{missing}, which the config does not build; add `norm: {{residual: [true, "
+                              "false]}` or drop `separate` from qkv.norm")  # fmt: skip
 
 
 class _DuplicateKey(yaml.YAMLError):

@@ -36,7 +36,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted([*globals(), *__all__])
+    return sorted({*__all__, "__version__", "abi", "doctor", "nvfp4", "reference"})  # the documented API
 
 
 if "flint_aot" not in sys.modules:

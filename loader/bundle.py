@@ -43,10 +43,13 @@ def check_cubin(entry: KernelEntry, data: bytes) -> list[str]:
     return problems
 
 
-@dataclass
+@dataclass(repr=False)
 class Bundle:
     path: Path
     manifest: Manifest
+
+    def __repr__(self) -> str:
+        return f"Bundle({str(self.path)!r}, {self.manifest!r})"
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Bundle:

@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 # the parameter C types the loader packs, the symbols of grid rules and the archs: defined in loader.abi
 from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_CC re-exported)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: each parameter records the alignment its kernel assumes (Param.align)
 MANIFEST_NAME = "manifest.json"
 
 
@@ -26,7 +26,8 @@ class ManifestError(ValueError):
 @dataclass(frozen=True)
 class Param:
     name: str
-    type: str
+    type: str  # a C type of PARAM_TYPES
+    align: int = 0  # pointers: the byte alignment the kernel assumes of the address (the loader checks it)
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,18 @@ class KernelEntry:
         return out
 
 
-@dataclass
+@dataclass(repr=False)
 class Manifest:
     generator: str  # "flint-aot <version>"
     dsl_version: str  # nvidia-cutlass-dsl version used to compile
     config: dict  # the resolved config
     kernels: list[KernelEntry] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
+
+    def __repr__(self) -> str:
+        n = len(self.kernels)
+        return (f"{n} cubin{'s' * (n != 1)} for {', '.join(self.archs()) or 'no architecture'}, "
+                f"{self.generator}, nvidia-cutlass-dsl {self.dsl_version}, schema {self.schema_version}")
 
     # ---------------------------------------------------------------- writing
     def to_dict(self) -> dict:
@@ -186,12 +192,15 @@ def _entry_fields(d: dict, where: str) -> KernelEntry:
         raise ManifestError(f"{where}: spec: expected an object, got {_short(d['spec'])}; rebuild the bundle")
     if not isinstance(d["grid"], (list, tuple)):
         raise ManifestError(f"{where}: grid: expected a list, got {_short(d['grid'])}; rebuild the bundle")
-    params = tuple(Param(str(p["name"]), str(p["type"])) for p in d["params"])
+    params = tuple(Param(str(p["name"]), str(p["type"]), _int(p, "align", where)) for p in d["params"])
     for p in params:
         if p.type not in PARAM_TYPES:
             raise ManifestError(
                 f"{where}: parameter {p.name} has unknown type {p.type!r}; rebuild the bundle"
             )
+        if p.align & (p.align - 1) or (p.type == "ptr") != (p.align > 0):
+            raise ManifestError(f"{where}: parameter {p.name}: bad alignment {p.align} for a {p.type} "
+                                "(pointers: a power of two, scalars: 0); rebuild the bundle")  # fmt: skip
     grid = tuple(d["grid"])
     ok = lambda g: (isinstance(g, int) and not isinstance(g, bool) and g > 0) or g in GRID_SYMBOLS  # noqa: E731
     if len(grid) != 3 or not all(ok(g) for g in grid):

@@ -4,10 +4,10 @@ loading, and ready-to-launch kernels.
 torch and cuda-bindings only. A cubin is loaded once per device, lazily, under a lock, into the device's
 primary context (torch's). A `Launcher` is built once per (thread, device, kind, spec): function handle,
 launch configs with their cluster and PDL attributes, and a parameter buffer laid out from the manifest's
-parameter list. Its packers match the caller's argument names to the kernel's parameters once; a call then
-fills the buffer with one struct.pack_into and calls cuLaunchKernelEx on torch's current stream, so launches
-can be captured in CUDA graphs. Launch settings are scoped (`launch_options`), never
-process-wide.
+parameter list. `Launcher.bind` matches a plan's value names to the kernel's parameters once and evaluates
+the manifest's grid rule; a call then fills the buffer with one struct.pack_into and calls cuLaunchKernelEx
+on torch's current stream, so launches can be captured in CUDA graphs. Launch settings are scoped
+(`launch_options`), never process-wide.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from cuda.bindings import driver as cu
 
 from loader.abi import ARCH_CC, NORM_MODES
-from loader.bundle import Bundle, BundleError
+from loader.bundle import REBUILD, Bundle, BundleError
 from loader.manifest import KernelEntry
 
 _PACKAGED_BUNDLE = Path(__file__).resolve().parent / "_bundle"  # installed by `flint-aot pack`
@@ -238,6 +238,7 @@ class Launcher:
             fmt += "x" * pad + _FORMAT[p.type]
             offsets.append(struct.calcsize(fmt) - size)
         self._struct = struct.Struct(fmt)
+        self._layouts: dict = {}  # bind's parameter layouts, by (value names, const names, renames)
         self._buf = ctypes.create_string_buffer(max(self._struct.size, 1))
         base = ctypes.addressof(self._buf)
         self._argv = (ctypes.c_void_p * len(offsets))(*(base + o for o in offsets))
@@ -267,40 +268,76 @@ class Launcher:
         cfg.numAttrs = len(attrs)
         return cfg
 
-    def packer(self, names: tuple, consts: dict):
-        """A function that fills the parameter buffer from a tuple of values in the order of `names`, followed
-        by the values of `consts`: between them, exactly the kernel's parameter names (else BundleError). The
-        names are matched to the kernel's parameters here, once; a value outside its C type raises ValueError
-        (consts at once, the others when packed)."""
-        names = (*names, *consts)
-        if len(names) != len(self.names) or set(names) != set(self.names):
-            check_params(self.entry, names)
-        idx = [names.index(p) for p in self.names]
-        get = operator.itemgetter(*idx) if len(idx) > 1 else lambda v: (v[idx[0]],)
-        pack_into, buf, fixed = self._struct.pack_into, self._buf, tuple(consts.values())
+    def bind(self, names: tuple, symbols: dict, consts: dict, renames: dict) -> tuple:
+        """(run, align) for one plan. run(values, stream, pdl) fills the parameter buffer by name and
+        launches: parameter p takes consts[p] if given, else values[names.index(renames.get(p, p))] (`values`
+        holds the call's values in the order of `names`). The grid is the manifest's rule with `symbols`'
+        values. align: the alignment in bytes (1: none) this kernel needs of each value of `names`, in that
+        order. The names are matched to the parameters once per layout (BundleError if they do not cover
+        them); a value outside its parameter's C type raises ValueError (consts at once, the others when
+        packed)."""
+        key = (names, tuple(consts), tuple(sorted(renames.items())), tuple(symbols))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self._layout(names, consts, renames, symbols)
+        get, const_values, align = layout
+        fixed = const_values(consts)
+        pack_into, buf, launch = self._struct.pack_into, self._buf, self.launch
+        grid = tuple(symbols[g] if isinstance(g, str) else g for g in self.entry.grid)
+        try:
+            self._struct.pack(*get((0,) * len(names) + fixed))
+        except struct.error:
+            self._refuse(get((0,) * len(names) + fixed))  # a const outside its C type: refused now
 
-        def pack(values: tuple) -> None:
+        def run(values: tuple, stream: int, pdl: bool) -> None:
             try:
                 pack_into(buf, 0, *get(values + fixed))
             except struct.error:  # a value outside its C type: the ops' checks should have caught it first
-                for p, v in zip(self.entry.params, get(values + fixed), strict=True):
-                    try:
-                        struct.pack("<" + _FORMAT[p.type], v)
-                    except struct.error as e:
-                        raise ValueError(f"{self.entry.name}: {p.name} = {v!r} does not fit the kernel's "
-                                         f"{p.type} parameter ({e})") from None  # fmt: skip
+                self._refuse(get(values + fixed))
                 raise
+            launch(grid, stream, pdl)
 
-        if consts:  # values of the right types, to find a const outside its C type now
-            pack(tuple(0 for _ in names[: len(names) - len(consts)]))
-        return pack
+        return run, align
 
-    def launch(self, grid_x: int, stream: int, pdl: bool) -> None:
+    def _layout(self, names: tuple, consts: dict, renames: dict, symbols: dict) -> tuple:
+        """(getter of the parameters in order from values + consts, getter of the consts in that order,
+        align)."""
+        idx, const_names, align = [], [], [1] * len(names)
+        for p in self.entry.params:
+            if p.name in consts:
+                idx.append(len(names) + len(const_names))
+                const_names.append(p.name)
+                continue
+            src = renames.get(p.name, p.name)
+            if src not in names:
+                check_params(self.entry, (*names, *consts))  # raises: names the missing parameter
+                raise BundleError(f"{self.entry.name}: parameter {p.name} has no value")
+            i = names.index(src)
+            idx.append(i)
+            align[i] = max(align[i], p.align)
+        if any(isinstance(g, str) and g not in symbols for g in self.entry.grid):
+            raise BundleError(f"{self.entry.file}: grid rule {self.entry.grid} names a symbol this loader "
+                              f"does not supply for {self.entry.kind} ({', '.join(symbols)}); "
+                              f"{REBUILD}")  # fmt: skip
+        consts_in_order = operator.itemgetter(*const_names) if len(const_names) > 1 else (
+            lambda d: tuple(map(d.__getitem__, const_names)))  # fmt: skip
+        return operator.itemgetter(*idx), consts_in_order, tuple(align)
+
+    def _refuse(self, values: tuple) -> None:
+        """ValueError naming the first value that does not fit its parameter's C type."""
+        for p, v in zip(self.entry.params, values, strict=True):
+            try:
+                struct.pack("<" + _FORMAT[p.type], v)
+            except struct.error as e:
+                raise ValueError(f"{self.entry.name}: {p.name} = {v!r} does not fit the kernel's {p.type} "
+                                 f"parameter ({e})") from None
+
+    def launch(self, grid: tuple, stream: int, pdl: bool) -> None:
         """Launch with the packed parameters on the raw stream handle `stream`."""
         st = self._state[pdl]
         cfg = st[0]
-        if st[1] != grid_x:
-            cfg.gridDimX = st[1] = grid_x
+        if st[1] is not grid:
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = st[1] = grid
         if st[2] != stream:
             cfg.hStream = cu.CUstream(stream)
             st[2] = stream

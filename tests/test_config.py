@@ -37,15 +37,35 @@ def test_expansion_of_small_matrix():
         validate(
             {
                 "archs": ["sm_90a"],
+                "norm": {"residual": [True, False]},
                 "qkv": {"weight_format": ["bf16"], "rope": [True, False], "heads": [[16, 2]]},
             }
         )
     )
-    assert [s.name for s in specs] == ["qkv_bf16_rope1_h16x2", "qkv_bf16_rope0_h16x2"]
-    assert specs[0].spec == {
+    names = ["norm_res1", "norm_res0", "qkv_bf16_rope1_h16x2", "qkv_bf16_rope0_h16x2"]
+    assert [s.name for s in specs] == names
+    assert specs[2].spec == {
         "weight_format": "bf16", "rope": True, "heads": [16, 2], "kv_cache_dtype": "bf16", "norm": "separate"
     }  # fmt: skip
-    assert all(s.arch == "sm_90a" and s.kind == "qkv" for s in specs)
+    assert all(s.arch == "sm_90a" for s in specs)
+
+
+@pytest.mark.parametrize("norm, missing", [(None, "residual=true and residual=false"),
+                                           ({"residual": [True]}, "residual=false"),
+                                           ({"residual": [False]}, "residual=true")])  # fmt: skip
+def test_a_config_from_which_an_op_could_not_run_is_refused(norm, missing):
+    """flint_qkv_fused in the two-kernel design (the default of qkv.norm) launches the norm kernel, with a
+    residual or without: a config that does not build both is refused in one line naming the fix."""
+    raw = {"archs": ["sm_90a"], "qkv": {"weight_format": ["bf16"], "rope": [True], "heads": [[16, 2]]}}
+    if norm is not None:
+        raw["norm"] = norm
+    for designs in (None, ["separate"], ["separate", "prologue"]):
+        if designs:
+            raw["qkv"]["norm"] = designs
+        msg = _err(raw, "qkv.norm", missing, "norm: {residual: [true, false]}")
+        assert "\n" not in msg
+    raw["qkv"]["norm"] = ["prologue"]  # the input norm in the qkv kernel: no norm kernel needed
+    assert validate(raw)["qkv"]["norm"] == ["prologue"]
 
 
 def test_debug_spin_norm():

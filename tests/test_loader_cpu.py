@@ -3,6 +3,7 @@
 import functools
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -95,28 +96,30 @@ def _default_bundle_entries():
     from flint_aot.config import expand, load_config
     from flint_aot.kernels import MODULES
     from flint_aot.kernels.compile import kernel_params
+    from loader.abi import GRID
     from loader.manifest import KernelEntry, Param
 
     out = []
     for s in expand(load_config(ROOT / "configs" / "flint.yaml")):
         if s.arch != "sm_90a":
             continue
-        params = kernel_params(importlib.import_module(MODULES[s.kind]).kernel(s.spec))
+        mod = importlib.import_module(MODULES[s.kind])
+        params = kernel_params(mod.kernel(s.spec), mod.ptr_types(s.spec))
         out.append(KernelEntry(s.kind, s.name, s.spec, s.arch, f"{s.name}.cubin", 1, "0" * 64, s.name,
-                               (128, 1, 1), (1, 1, 1), 0, ("M", 1, 1),
-                               tuple(Param(n, t) for n, t in params), "k"))  # fmt: skip
+                               (128, 1, 1), (1, 1, 1), 0, GRID[s.kind],
+                               tuple(Param(*p) for p in params), "k"))  # fmt: skip
     return out
 
 
 class _DryRun:
-    """Runs the loader's ops on CPU tensors up to the launch: devices are faked as cuda:0, and the launcher
-    records which manifest entry it would launch and checks the arguments the op fills against its
-    parameter names (loader.runtime.check_params, as the real launcher does)."""
+    """Runs the loader's ops on CPU tensors up to the launch: devices are faked as cuda:0, and a real
+    runtime.Launcher (binding parameters by name, evaluating the manifest's grid rule) records which manifest
+    entry it would launch, with every parameter's packed value, instead of calling the driver."""
 
     def __init__(self, monkeypatch, entries):
         import torch
 
-        from loader import ops, runtime
+        from loader import checks, ops, runtime
         from loader.bundle import Bundle
         from loader.manifest import Manifest
 
@@ -124,29 +127,20 @@ class _DryRun:
         self.launched = []
         dry = self
 
-        class FakeLauncher:
+        class DryLauncher(runtime.Launcher):
             def __init__(self, entry):
-                self.entry = entry
+                super().__init__(0, entry, 0, None)
 
-            def packer(self, names, consts):
-                names = (*names, *consts)
-                runtime.check_params(self.entry, names)
-                assert len(names) == len(self.entry.params), sorted(names)
+            def launch(self, grid, stream, pdl):
+                values = self._struct.unpack(self._buf.raw[: self._struct.size])
+                dry.launched.append((self.entry, dict(zip(self.names, values, strict=True)), grid))
 
-                def pack(values):
-                    self.args = dict(zip(names, (*values, *consts.values()), strict=True))
-
-                return pack
-
-            def launch(self, grid_x, stream, pdl):
-                dry.launched.append((self.entry, self.args, grid_x))
-
-        monkeypatch.setattr(runtime, "_generation", runtime._generation + 1)  # no plan of an earlier run
+        monkeypatch.setattr(runtime, "_tls", threading.local())  # launchers and plans of this run only
         monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
         monkeypatch.setattr(ops, "_raw_stream", lambda dev: 0)
-        monkeypatch.setitem(ops._NO_ROPE, 0, torch.zeros(1, 128))
+        monkeypatch.setitem(checks.NO_ROPE, 0, torch.zeros(1, 128))
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-        monkeypatch.setattr(ops, "_launcher", lambda dev, kind, key, spec_of: FakeLauncher(
+        monkeypatch.setattr(ops, "_launcher", lambda dev, kind, key, spec_of: DryLauncher(
             runtime.first_entry(self.bundle, (9, 0), kind, spec_of())))  # fmt: skip
 
 
@@ -239,7 +233,8 @@ def test_a_manifest_with_renamed_parameters_is_refused(monkeypatch):
     renamed = []
     for e in entries:
         if e.kind == "qkv":
-            ps = tuple(Param("stride_blk" if p.name == "stride_block" else p.name, p.type) for p in e.params)
+            ps = tuple(Param("stride_blk" if p.name == "stride_block" else p.name, p.type, p.align)
+                       for p in e.params)  # fmt: skip
             e = dataclasses.replace(e, params=ps)
         renamed.append(e)
     dry = _DryRun(monkeypatch, renamed)
@@ -257,9 +252,9 @@ def test_a_plan_never_skips_a_check_that_could_fail(monkeypatch):
     import torch
 
     import loader
-    from loader import ops
+    from loader import ops, plans
 
-    if not ops._GUARDS:
+    if not plans.GUARDS:
         pytest.skip("torch's TensorGuards is unavailable: every call is checked in full")
     dry = _DryRun(monkeypatch, _default_bundle_entries())
     base = _qkv_inputs(2, 32, 4, "bf16", True, "bf16")

@@ -174,17 +174,16 @@ def run(bundle: str, specs: list[str]) -> None:
     from loader import runtime
 
     cur = {"qkv": 0, "norm": 0}
-    packer = runtime.Launcher.packer
+    bind = runtime.Launcher.bind
 
-    def traced_packer(self, names, consts):  # fill v_scale (qkv) / the extra trace parameter (norm)
-        if "v_scale" in names:
-            i = names.index("v_scale")
-            pack = packer(self, names, consts)
-            return lambda v: pack(v[:i] + (cur["qkv"],) + v[i + 1 :])
-        pack = packer(self, (*names, "trace"), consts)
-        return lambda v: pack((*v, cur["norm"]))
+    def traced_bind(self, names, symbols, consts, renames):  # the trace buffer: qkv's v_scale, norm's `trace`
+        kind = self.entry.kind
+        if kind == "qkv":
+            consts, renames = {k: v for k, v in consts.items() if k != "v_scale"}, {**renames, "v_scale": "trace"}
+        run, align = bind(self, (*names, "trace"), symbols, consts, renames)
+        return (lambda values, stream, pdl: run((*values, cur.get(kind, 0)), stream, pdl)), align[: len(names)]
 
-    runtime.Launcher.packer = traced_packer
+    runtime.Launcher.bind = traced_bind
     loader.load_bundle(bundle)
     torch.manual_seed(0)
 

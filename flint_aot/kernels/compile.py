@@ -1,8 +1,9 @@
 """Offline compile of one kernel to a cubin (imports the DSL; runs in the compile subprocess).
 
 A kernel's parameter list is its @cute.kernel function's signature, written once: compile_kernel reads the
-names and types from it (kernel_params), records them in the manifest (the ABI the loader fills by name), and
-builds the DSL host function and placeholder arguments from it. Only flat parameters are used: global
+names and types from it (kernel_params), records them in the manifest with the alignment each pointer is
+compiled to assume (the ABI the loader fills by name, and checks tensors against), and builds the DSL host
+function and placeholder arguments from it. Only flat parameters are used: global
 pointers and Int32 / Int64 / Float32 scalars, each one .param with natural alignment, in signature order.
 """
 
@@ -26,15 +27,17 @@ class Compiled:
     cubin: bytes
     ptx: str
     entry: str
-    params: tuple  # ((name, C type), ...)
+    params: tuple  # ((name, C type, alignment the kernel assumes of a pointer, 0 for a scalar), ...)
     block: tuple
     cluster: tuple
     grid: tuple
     dyn_smem: int
 
 
-def kernel_params(kernel) -> tuple[tuple[str, str], ...]:
-    """(name, C type) of each parameter of a @cute.kernel function, in order: the kernel's ABI."""
+def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
+    """(name, C type, alignment) of each parameter of a @cute.kernel function, in order: the kernel's ABI.
+    A pointer's alignment is the one it is compiled to assume (ptr_types: name -> (dtype, alignment), default
+    (BFloat16, 16)); a scalar's is 0."""
     out = []
     for name, p in inspect.signature(kernel, eval_str=True).parameters.items():
         typ = _C_TYPE.get(p.annotation)
@@ -43,7 +46,7 @@ def kernel_params(kernel) -> tuple[tuple[str, str], ...]:
                 f"{kernel.__name__}({name}): {p.annotation!r} is not a flat parameter type the loader packs "
                 "(cute.Pointer, Int32, Int64, Float32)"
             )
-        out.append((name, typ))
+        out.append((name, typ, (ptr_types or {}).get(name, (BFloat16, 16))[1] if typ == "ptr" else 0))
     return tuple(out)
 
 
@@ -51,7 +54,7 @@ def _placeholders(params, ptr_types: dict):
     """Host arguments matching the parameter list; values are irrelevant, pointer element types and assumed
     alignments are not: ptr_types maps a pointer's name to (dtype, alignment), default (BFloat16, 16)."""
     out = []
-    for i, (name, typ) in enumerate(params):
+    for i, (name, typ, _) in enumerate(params):
         if typ == "ptr":
             dtype, align = ptr_types.get(name, (BFloat16, 16))
             out.append(make_ptr(dtype, 0x10000 * (i + 1), cute.AddressSpace.gmem, assumed_align=align))
@@ -66,7 +69,7 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
     cubin as .reqntid), cluster and dynamic shared memory (launch attributes) and the kind's grid rule."""
     kernel.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
-    params = kernel_params(kernel)
+    params = kernel_params(kernel, ptr_types)
     launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
     if cluster != (1, 1, 1):
         launch["cluster"] = list(cluster)

@@ -38,10 +38,14 @@ def kernel(spec: dict):
     return make_kernel(spec["weight_format"])
 
 
+def ptr_types(spec: dict) -> dict:
+    """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
+    t = {"weight_scale": (cutlass.Uint8, 4), "global_scale": (Float32, 4)}
+    if spec["weight_format"] == "nvfp4":
+        t["weight"] = (cutlass.Uint8, 16)
+    return t
+
+
 def compile(spec: dict, arch: str, entry_prefix: str):
-    fmt = spec["weight_format"]
-    ptr_types = {"weight_scale": (cutlass.Uint8, 4), "global_scale": (Float32, 4)}
-    if fmt == "nvfp4":
-        ptr_types["weight"] = (cutlass.Uint8, 16)
     return compile_kernel(kernel(spec), kind="gemv", arch=arch, entry_prefix=entry_prefix,
-                          block=(core.THREADS, 1, 1), ptr_types=ptr_types)  # fmt: skip
+                          block=(core.THREADS, 1, 1), ptr_types=ptr_types(spec))  # fmt: skip

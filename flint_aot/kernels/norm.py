@@ -63,6 +63,11 @@ def kernel(spec: dict):
     return make_kernel(bool(spec["residual"]), int(spec.get("debug_spin_cycles", 0)))
 
 
+def ptr_types(spec: dict) -> dict:
+    """Every pointer is bf16, 16-byte aligned (compile_kernel's default)."""
+    return {}
+
+
 def compile(spec: dict, arch: str, entry_prefix: str):
     return compile_kernel(
         kernel(spec), kind="norm", arch=arch, entry_prefix=entry_prefix, block=(THREADS, 1, 1)

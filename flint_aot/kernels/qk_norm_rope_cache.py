@@ -121,11 +121,13 @@ def kernel(spec: dict):
     return make_kernel(bool(spec["rope"]), spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3")
 
 
+def ptr_types(spec: dict) -> dict:
+    """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
+    cache = (cutlass.Uint8, 1) if spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3" else (BFloat16, 2)
+    return {"cos_sin_cache": (Float32, 16), "positions": (Int64, 8), "slot_mapping": (Int64, 8),
+            "k_cache": cache, "v_cache": cache, "k_scale": (Float32, 4), "v_scale": (Float32, 4)}  # fmt: skip
+
+
 def compile(spec: dict, arch: str, entry_prefix: str):
-    fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
-    cache = (cutlass.Uint8, 1) if fp8 else (BFloat16, 2)
-    ptr_types = {"cos_sin_cache": (Float32, 16), "positions": (Int64, 8), "slot_mapping": (Int64, 8),
-                 "k_cache": cache, "v_cache": cache, "k_scale": (Float32, 4),
-                 "v_scale": (Float32, 4)}  # fmt: skip
-    return compile_kernel(kernel(spec), kind="qk_norm_rope_cache", arch=arch,
-                          entry_prefix=entry_prefix, block=(THREADS, 1, 1), ptr_types=ptr_types)  # fmt: skip
+    return compile_kernel(kernel(spec), kind="qk_norm_rope_cache", arch=arch, entry_prefix=entry_prefix,
+                          block=(THREADS, 1, 1), ptr_types=ptr_types(spec))  # fmt: skip

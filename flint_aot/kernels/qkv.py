@@ -273,16 +273,19 @@ def kernel(spec: dict):
     )
 
 
-def compile(spec: dict, arch: str, entry_prefix: str):
+def ptr_types(spec: dict) -> dict:
+    """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
     fp4 = spec["weight_format"] == "nvfp4"
-    fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
-    cache = (cutlass.Uint8, 1) if fp8 else (BFloat16, 2)
-    ptr_types = {
+    cache = (cutlass.Uint8, 1) if spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3" else (BFloat16, 2)
+    return {
         "weight": (cutlass.Uint8 if fp4 else BFloat16, 16), "weight_scale": (cutlass.Uint8, 4),
         "global_scale": (Float32, 4), "cos_sin_cache": (Float32, 16), "positions": (Int64, 8),
         "slot_mapping": (Int64, 8), "k_cache": cache, "v_cache": cache, "k_scale": (Float32, 4),
         "v_scale": (Float32, 4),
     }  # fmt: skip
+
+
+def compile(spec: dict, arch: str, entry_prefix: str):
     return compile_kernel(kernel(spec), kind="qkv", arch=arch, entry_prefix=entry_prefix,
                           block=(core.THREADS, 1, 1), cluster=(CLUSTER, 1, 1),
-                          ptr_types=ptr_types)  # fmt: skip
+                          ptr_types=ptr_types(spec))  # fmt: skip

@@ -1,0 +1,205 @@
+"""The serve path without a GPU: misuse refused before any CUDA call, one tensor in two roles served by a
+cached plan, plans bound by name, a short bundle summary, and documentation links that resolve."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, needs_dsl
+from tests.test_loader_cpu import _default_bundle_entries, _DryRun, _qkv_inputs
+
+_MISUSE = r"""
+import torch, loader
+from tests.test_loader_cpu import _qkv_inputs
+out = []
+for dev in ("cpu", "meta"):
+    c = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _qkv_inputs(2, 16, 2, "bf16", True,
+                                                                                       "bf16").items()}
+    qkv = torch.zeros(2, 20 * 128, dtype=torch.bfloat16, device=dev)
+    head = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache",
+                              "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads")}
+    x, r, w = c["x"], c["residual"], c["norm_weight"]
+    calls = {"flint_qkv_fused": lambda: loader.flint_qkv_fused(**c),
+             "rms_norm": lambda: loader.rms_norm(x, w, 1e-6),
+             "fused_add_rms_norm": lambda: loader.fused_add_rms_norm(x, r, w, 1e-6),
+             "gemv": lambda: loader.gemv(x, c["weight"]),
+             "qk_norm_rope_cache": lambda: loader.qk_norm_rope_cache(qkv, **head),
+             "torch.ops.flint.qkv_fused": lambda: torch.ops.flint.qkv_fused(**c),
+             "torch.ops.flint.rms_norm": lambda: torch.ops.flint.rms_norm(x, w, 1e-6),
+             "torch.ops.flint.fused_add_rms_norm": lambda: torch.ops.flint.fused_add_rms_norm(x, r, w, 1e-6),
+             "torch.ops.flint.gemv": lambda: torch.ops.flint.gemv(x, c["weight"]),
+             "torch.ops.flint.qk_norm_rope_cache": lambda: torch.ops.flint.qk_norm_rope_cache(qkv, **head)}
+    for name, call in calls.items():
+        try:
+            call()
+            out.append(f"{dev} {name}: accepted")
+        except (TypeError, ValueError) as e:
+            out.append(f"{dev} {name}: {type(e).__name__}: {e}")
+        except Exception as e:
+            out.append(f"{dev} {name}: WRONG {type(e).__name__}: {e}")
+print("\n".join(out))
+print("cuda initialized:", torch.cuda.is_initialized())
+"""
+
+
+def test_cpu_and_meta_tensors_are_refused_before_any_cuda_call():
+    """Every op and every torch.ops.flint.* refuses CPU and meta tensors with a ValueError naming the device,
+    and no CUDA call happens (the process never initializes CUDA), on this torch: a CPU-only torch here, a
+    CUDA torch on a GPU machine."""
+    r = subprocess.run([sys.executable, "-c", _MISUSE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == "cuda initialized: False", r.stdout
+    assert len(lines) == 21
+    for line in lines[:-1]:
+        dev = line.split()[0]
+        assert f"ValueError: x must be on a CUDA device, got {dev}" in line or (
+            "qk_norm_rope_cache" in line and f"ValueError: qkv must be on a CUDA device, got {dev}" in line
+        ), line
+
+
+def _pointer_of(dry, role):
+    return dry.launched[-1][1][role]
+
+
+@needs_dsl
+@pytest.mark.parametrize(
+    "op, same",
+    [("qkv", ("q_norm_weight", "k_norm_weight")), ("qkv", ("x", "residual")), ("qkv", ("k_scale", "v_scale")),
+     ("norm", ("x", "residual")), ("qknrc", ("q_norm_weight", "k_norm_weight")),
+     ("qknrc", ("k_scale", "v_scale"))],
+)  # fmt: skip
+def test_a_tensor_in_two_roles_reaches_a_cached_plan(monkeypatch, op, same):
+    """One tensor passed in two roles is served by a plan after the first call (no rebuild, no full check),
+    every kernel gets that tensor's pointer in both roles, and a later call with two distinct tensors of the
+    same metadata is not mistaken for it."""
+    import torch
+
+    import loader
+    from loader import plans
+
+    dry = _DryRun(monkeypatch, _default_bundle_entries())
+    c = _qkv_inputs(2, 32, 4, "bf16", True, "fp8_e4m3" if "k_scale" in same else "bf16")
+    qkv = torch.randn(2, 40 * 128).bfloat16()
+    head = {k: v for k, v in c.items() if k not in ("x", "residual", "norm_weight", "eps", "weight",
+                                                    "weight_scale", "global_scale")}  # fmt: skip
+
+    def call(a):
+        if op == "qkv":
+            loader.flint_qkv_fused(**a)
+        elif op == "norm":
+            loader.fused_add_rms_norm(a["x"], a["residual"], a["norm_weight"], 1e-6)
+        else:
+            loader.qk_norm_rope_cache(qkv, **{k: a[k] for k in head})
+
+    one = dict(c, **{same[1]: c[same[0]]})
+    call(one)
+    built = plans.builds
+    for _ in range(3):
+        call(one)
+    assert plans.builds == built, "an aliased call rebuilt its plan"
+    ptr = one[same[0]].data_ptr()
+    assert _pointer_of(dry, same[0]) == _pointer_of(dry, same[1]) == ptr
+    two = dict(c, **{same[1]: c[same[0]].clone()})
+    call(two)
+    assert plans.builds == built + 1
+    assert _pointer_of(dry, same[1]) == two[same[1]].data_ptr() != ptr
+
+
+@needs_dsl
+def test_plans_are_kept_per_m_and_reused(monkeypatch):
+    """Cycling M over every size calls of one op builds one plan per M, then only reuses them."""
+    import torch
+
+    import loader
+    from loader import plans
+    from loader.abi import MAX_M
+
+    _DryRun(monkeypatch, _default_bundle_entries())
+    w = torch.ones(2048).bfloat16()
+    xs = [torch.randn(m, 2048).bfloat16() for m in range(1, MAX_M + 1)]
+    built = plans.builds
+    for _ in range(3):
+        for x in xs:
+            loader.rms_norm(x, w, 1e-6)
+        assert plans.builds == built + MAX_M
+
+
+@needs_dsl
+def test_kernel_parameters_are_bound_by_name(monkeypatch):
+    """The values a kernel receives, parameter by parameter, in both designs: tensors' pointers under their
+    own names, the norm kernel's xn as the two-kernel qkv kernel's x, the shapes' integers, and placeholders
+    (0) for what a specialization does not read."""
+    import loader
+
+    dry = _DryRun(monkeypatch, _default_bundle_entries())
+    c = _qkv_inputs(3, 32, 4, "bf16", True, "bf16")
+    for design in ("prologue", "separate"):
+        dry.launched.clear()
+        with loader.launch_options(design=design):
+            q, r = loader.flint_qkv_fused(**c)
+        *norm, (entry, a, grid) = dry.launched
+        assert entry.kind == "qkv" and grid == (40 * 8, 1, 1)
+        for name in ("weight", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "slot_mapping",
+                     "k_cache", "v_cache"):  # fmt: skip
+            assert a[name] == c[name].data_ptr(), name
+        assert a["q"] == q.data_ptr() and a["weight_scale"] == a["global_scale"] == a["k_scale"] == 0
+        assert (a["m"], a["num_slot_mapping"], a["max_pos"], a["block_size"]) == (3, 3, 64, 16)
+        assert (a["stride_block"], a["stride_slot"], a["stride_head"]) == c["k_cache"].stride()[:3]
+        if design == "prologue":
+            assert not norm and a["x"] == c["x"].data_ptr() and a["residual"] == c["residual"].data_ptr()
+            assert a["residual_out"] == r.data_ptr() and a["has_residual"] == 1
+        else:
+            (ne, na, ngrid), = norm
+            assert ne.kind == "norm" and ngrid == (3, 1, 1) and na["x"] == c["x"].data_ptr()
+            assert na["residual_out"] == r.data_ptr() and a["x"] == na["xn"] != c["x"].data_ptr()
+            assert a["residual"] == a["residual_out"] == a["norm_weight"] == a["has_residual"] == 0
+
+
+def test_bundle_and_manifest_print_a_summary():
+    from loader.bundle import Bundle
+    from loader.manifest import Manifest
+
+    entries = _default_bundle_entries() if _dsl() else []
+    b = Bundle(ROOT / "build" / "flint", Manifest("flint-aot 0.1.0", "4.8.1", {"archs": ["sm_90a"]}, entries))
+    text = repr(b)
+    assert len(text) < 200 and "flint-aot 0.1.0" in text and "4.8.1" in text and str(b.path) in text
+    assert f"{len(entries)} cubin" in text
+
+
+def test_dir_of_loader_lists_each_public_name_once():
+    import loader
+
+    loader.flint_qkv_fused  # noqa: B018 (binds the public names as module attributes)
+    names = dir(loader)
+    assert len(names) == len(set(names)) and set(loader.__all__) <= set(names)
+
+
+def _dsl() -> bool:
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_links_in_readme_and_docs_resolve():
+    """Every relative link of README.md, BENCHMARKS.md, examples/README.md and docs/*.md names a file or
+    folder of the repository."""
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "examples" / "README.md",
+             *sorted((ROOT / "docs").glob("*.md"))]  # fmt: skip
+    checked = 0
+    for page in pages:
+        for target in _LINK.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            assert path.exists(), f"{page.relative_to(ROOT)}: link to {target} resolves to nothing"
+            assert ROOT in path.parents or path == ROOT, f"{page.name}: {target} leaves the repository"
+            checked += 1
+    assert checked > 10
