@@ -96,6 +96,41 @@ def torch_eager_op(c, w_dense):
     return q, r
 
 
+def no_cliffs(g, calls: int) -> list:
+    """The fused op (M = 1, heads (32, 4), BF16) on its fast path beside the calls that must not fall off it:
+    a tensor passed in two roles, M changing every call (1..16, one plan each), and the full-check path (a
+    plan built every call, as for a new shape; the kernels' launchers stay loaded)."""
+    from loader import runtime
+
+    c = case(1, 32, 4, "bf16", "bf16", g)
+    f8 = case(1, 32, 4, "bf16", "fp8_e4m3", g)
+    cases = {
+        "fast path (distinct tensors)": c,
+        "q_norm_weight is k_norm_weight": dict(c, k_norm_weight=c["q_norm_weight"]),
+        "residual is x": dict(c, residual=c["x"]),
+        "FP8 cache, fast path": f8,
+        "FP8 cache, k_scale is v_scale": dict(f8, v_scale=f8["k_scale"]),
+    }
+    rows = [(f"flint_qkv_fused: {k}", "", per_call(lambda c=v: loader.flint_qkv_fused(**c), calls))
+            for k, v in cases.items()]  # fmt: skip
+    by_m = [case(m, 32, 4, "bf16", "bf16", g) for m in range(1, 17)]
+    it = iter(range(1 << 62))
+
+    def cycling():
+        loader.flint_qkv_fused(**by_m[next(it) % 16])
+
+    rows.append(("flint_qkv_fused: M cycling 1..16", "", per_call(cycling, calls)))
+    cache = runtime.thread_cache()
+
+    def full():
+        for k in [k for k in cache if k[0] == "qkv"]:  # the plans (not the launchers: keys (dev, kind, ..))
+            del cache[k]
+        loader.flint_qkv_fused(**c)
+
+    rows.append(("flint_qkv_fused: full-check path (a new plan every call)", "", per_call(full, calls // 4)))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default=os.environ.get("FLINT_AOT_BUNDLE", "build/flint"))
@@ -126,7 +161,8 @@ def main():
 
     a_ = torch.randn(1, K, device="cuda").bfloat16()
     rows.append(("torch.add(a, a)", "", per_call(lambda: torch.add(a_, a_), a.calls)))
-    for m in (1, 8):
+    rows += no_cliffs(g, a.calls)
+    for m in (1, 8, 16):
         c = case(m, 32, 4, "bf16", "bf16", g)
         w_dense = c["weight"]
         x, res, nw = c["x"], c["residual"], c["norm_weight"]

@@ -1,13 +1,15 @@
 """Per-layer time of the fused qkv op under CUDA-graph replay of many layers with distinct weights (L2
 defeated): BF16 and NVFP4 weights, both designs (the input norm in the qkv kernel's prologue, and the
-two-kernel design), BF16 and FP8 KV caches, beside cuBLAS's GEMV alone and the device copy bandwidth, all in
-one run (BENCHMARKS.md §1).
+two-kernel design), BF16 and FP8 KV caches, M = 1 .. 16, beside cuBLAS's GEMV alone, the op called on two
+halves of the batch (M > 8: what a caller did before the op served 16 tokens) and the device copy
+bandwidth, all in one run (BENCHMARKS.md §1).
 
     PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--heads 32x4 ...] [--m 1 ...]
-        [--fmt bf16 nvfp4] [--bundle build/flint] [--compare BUNDLE ...]
+        [--fmt bf16 nvfp4] [--bundle build/flint] [--compare BUNDLE ...] [--all]
 
-The designs are chosen with loader.launch_options(design=...). --compare adds, per row, the fused op from
-other bundles (A/B of kernel versions in one run; each bundle needs the variants benchmarked).
+The designs are chosen with loader.launch_options(design=...). --all adds the prologue design with an FP8
+cache and without PDL. --compare adds, per row, the fused op from other bundles (A/B of kernel versions in
+one run; each bundle needs the variants benchmarked).
 """
 
 import argparse
@@ -21,7 +23,7 @@ from loader.reference import make_cos_sin_cache
 
 K, D = 2048, 128
 HEADS = [(32, 4), (16, 8), (16, 2)]
-MS = [1, 2, 4, 8]
+MS = [1, 2, 4, 8, 12, 16]
 TARGET_BYTES = 600e6  # weights per graph: > 10x the 60 MB L2
 
 
@@ -120,6 +122,7 @@ def main():
     ap.add_argument("--fmt", nargs="*", default=["bf16", "nvfp4"])
     ap.add_argument("--bundle", default="build/flint")
     ap.add_argument("--compare", nargs="*", default=[], help="other bundle directories (A/B, fused op only)")
+    ap.add_argument("--all", action="store_true", help="also the prologue design with an FP8 cache, no PDL")
     args = ap.parse_args()
     heads = HEADS if not args.heads else [tuple(int(v) for v in h.split("x")) for h in args.heads]
     main_bundle = Path(args.bundle).resolve()
@@ -149,31 +152,15 @@ def main():
                 pos = torch.arange(m, device="cuda") + 100
                 slots = torch.arange(m, device="cuda") + 32
 
-                def fused(kv="bf16"):
+                def fused(kv="bf16", parts=((0, m),)):
                     kc, vc = caches[kv]
                     sc = {"k_scale": scale, "v_scale": scale} if kv == "fp8" else {}
                     for i in range(layers):
                         w, wsc, gs = ws[i]
-                        loader.flint_qkv_fused(
-                            x,
-                            r,
-                            nw,
-                            1e-6,
-                            w,
-                            wsc,
-                            gs,
-                            qn,
-                            qn,
-                            1e-6,
-                            cs,
-                            pos,
-                            kc[i],
-                            vc[i],
-                            slots,
-                            nq,
-                            nkv,
-                            **sc,
-                        )
+                        for a, b in parts:  # (two halves: the tokens a..b of the batch per call)
+                            loader.flint_qkv_fused(x[a:b], r[a:b], nw, 1e-6, w, wsc, gs, qn, qn, 1e-6,
+                                                   cs, pos[a:b], kc[i], vc[i], slots[a:b], nq, nkv,
+                                                   **sc)  # fmt: skip
 
                 out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
 
@@ -181,14 +168,17 @@ def main():
                     for i in range(layers):
                         torch.matmul(x, ws[i][0].t(), out=out)
 
+                nan = float("nan")
                 with loader.launch_options(design="prologue"):
                     t_pro = median_graph_us(fused, layers)
-                    t_fp8 = median_graph_us(lambda: fused("fp8"), layers)
+                    t_fp8 = median_graph_us(lambda: fused("fp8"), layers) if args.all else nan
                 with loader.launch_options(design="prologue", pdl=False):
-                    t_nopdl = median_graph_us(fused, layers)
+                    t_nopdl = median_graph_us(fused, layers) if args.all else nan
                 with loader.launch_options(design="separate"):
                     t_sep = median_graph_us(fused, layers)
                     t_sep_fp8 = median_graph_us(lambda: fused("fp8"), layers)
+                    halves = ((0, m // 2), (m // 2, m))
+                    t_halves = median_graph_us(lambda: fused(parts=halves), layers) if m > 8 else nan
                 if fmt == "bf16":
                     cublas_us[(nq, nkv, m)] = median_graph_us(cublas, layers)
                 t_cublas = cublas_us.get((nq, nkv, m), float("nan"))
@@ -204,22 +194,23 @@ def main():
                 best = min(t_pro, t_sep)
                 limit = wbytes / bw * 1e6
                 rows.append((f"({nq},{nkv})", fmt, m, layers, wbytes / 1e6, t_pro, t_sep, t_fp8, t_sep_fp8,
-                             t_nopdl, t_cublas, limit, 100 * limit / best, t_cublas / best))  # fmt: skip
+                             t_nopdl, t_halves, t_cublas, limit, 100 * limit / best,
+                             t_cublas / best))  # fmt: skip
                 print(rows[-1], flush=True)
             ws = caches = None  # free before the next shape
             torch.cuda.empty_cache()
     head = (
         f"copy bandwidth (read+write, 4 GiB device copy, graph, median): {bw / 1e12:.2f} TB/s\n\n"
         "| heads | weights | M | layers | weight MB | prologue µs/layer | two-kernel µs/layer | "
-        "prologue, FP8 cache | "
-        "two-kernel, FP8 cache | prologue, no PDL | cuBLAS BF16 GEMV alone | limit µs (weights / copy BW) | "
-        "% of copy BW (best) | cuBLAS / best |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "prologue, FP8 cache | two-kernel, FP8 cache | prologue, no PDL | two calls of M/2 (two-kernel) | "
+        "cuBLAS BF16 GEMV alone | limit µs (weights / copy BW) | % of copy BW (best) | cuBLAS / best |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
+    fmt_us = lambda v: "–" if v != v else f"{v:.2f}"  # noqa: E731 (NaN: not measured)
     body = "".join(
-        f"| {h} | {fmt} | {m} | {lay} | {mb:.1f} | {tp:.2f} | {ts:.2f} | {tf8:.2f} | {tsf8:.2f} | {tn:.2f} | "
-        f"{tc:.2f} | {lim:.2f} | {pct:.0f}% | {ratio:.2f}x |\n"
-        for h, fmt, m, lay, mb, tp, ts, tf8, tsf8, tn, tc, lim, pct, ratio in rows
+        f"| {h} | {fmt} | {m} | {lay} | {mb:.1f} | {tp:.2f} | {ts:.2f} | {fmt_us(tf8)} | {tsf8:.2f} | "
+        f"{fmt_us(tn)} | {fmt_us(th)} | {fmt_us(tc)} | {lim:.2f} | {pct:.0f}% | {ratio:.2f}x |\n"
+        for h, fmt, m, lay, mb, tp, ts, tf8, tsf8, tn, th, tc, lim, pct, ratio in rows
     )
     text = head + body
     if ab:

@@ -13,6 +13,10 @@ modules. The result is compared with the model's own forward (Hugging Face `tran
   (b) free-running greedy: the first step where our token differs from the reference's, with the
       reference's top-1 margin there (which must be a near-tie in the same sense).
 
+With `--batch N`, N further sequences (prompts of different lengths) decode together: one op call of M = N
+tokens per layer and step, each token at its own position and slots in its own block table, each sequence's
+teacher-forced logits held to the bound against the model's own forward of that sequence alone.
+
 The whole decode step is also captured in a CUDA graph (shape-static attention over a fixed maximum context
 with masking; token, position and slot in device buffers filled before each replay); its teacher-forced
 logits are held to the same bound, and a small table gives the per-token latency of the model's own eager
@@ -21,6 +25,7 @@ decode, ours eager and ours under graph replay.
     python examples/qwen3_decode.py                                # 28 layers, BF16 weights, BF16 cache
     python examples/qwen3_decode.py --weights nvfp4 --kv-cache fp8
     python examples/qwen3_decode.py --backend reference --tiny     # pure torch, runs on CPU
+    python examples/qwen3_decode.py --batch 16                     # and 16 sequences decoding together
 
 `--backend reference` swaps the op for a torch implementation of the same numerics (docs/numerics.md, built
 from `loader.reference`), so the whole loop and its checks run without a GPU; `--tiny` shrinks vocabulary,
@@ -39,7 +44,7 @@ import torch
 
 HIDDEN, HEAD_DIM, NUM_Q_HEADS, NUM_KV_HEADS = 2048, 128, 16, 8
 BLOCK_SIZE = 16  # paged KV cache: tokens per block
-MAX_M = 8  # tokens per op call (the op's limit); the prefill runs in chunks of this size
+MAX_M = 16  # tokens per op call (the op's limit); the prefill runs in chunks of this size
 E4M3_MAX = 448.0
 
 # Acceptance. The error metric, per decode step: max_v |ours - ref| / max_v |ref| over the step's fp32
@@ -203,16 +208,19 @@ class TorchQKVFused:
 # --------------------------------------------------------------------------------------- paged KV cache
 class PagedKV:
     """Per layer k and v caches [num_blocks, 16, 8, 128] (bf16, or float8_e4m3fn with fp32 scales of one
-    element) for one sequence of up to `capacity` tokens. Its block table is a seeded random choice among
-    twice as many physical blocks, so slots are not simply the positions."""
+    element) for `seqs` sequences of up to `capacity` tokens each. Each sequence's block table is a seeded
+    random choice among twice as many physical blocks, disjoint from the others', so slots are not simply
+    the positions."""
 
-    def __init__(self, num_layers, capacity, device, fp8_scales=None, seed=0):
+    def __init__(self, num_layers, capacity, device, fp8_scales=None, seed=0, seqs=1):
         self.blocks = -(-capacity // BLOCK_SIZE)
-        num_blocks = 2 * self.blocks + 1
+        num_blocks = 2 * self.blocks * seqs + 1
         g = torch.Generator().manual_seed(seed)
-        table = torch.randperm(num_blocks, generator=g)[: self.blocks]
-        self.table_host = table.tolist()
-        self.table = table.to(device)  # device block table, read by the attention (and by the graph)
+        perm = torch.randperm(num_blocks, generator=g)
+        tables = [perm[s * self.blocks : (s + 1) * self.blocks] for s in range(seqs)]
+        self.tables_host = [t.tolist() for t in tables]
+        self.tables = [t.to(device) for t in tables]  # device block tables, read by the attention (and graph)
+        self.table_host, self.table = self.tables_host[0], self.tables[0]
         self.max_ctx = self.blocks * BLOCK_SIZE
         dtype = torch.float8_e4m3fn if fp8_scales is not None else torch.bfloat16
         shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -232,18 +240,18 @@ class PagedKV:
         for c in self.k + self.v:
             c.view(torch.uint8).zero_()
 
-    def slot(self, pos: int) -> int:
-        return self.table_host[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    def slot(self, pos: int, seq: int = 0) -> int:
+        return self.tables_host[seq][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
     def kv_kwargs(self, i):
         if self.scales is None:
             return {}
         return {"k_scale": self.scales[i][0], "v_scale": self.scales[i][1]}
 
-    def gather(self, i, ctx: int | None):
-        """Layer i's keys and values [T, 8, 128] in fp32 for the first ceil(ctx/16) blocks of the table
-        (T = ctx), or all of them (T = max_ctx) when ctx is None -- the graph's fixed shape."""
-        table = self.table if ctx is None else self.table[: -(-ctx // BLOCK_SIZE)]
+    def gather(self, i, ctx: int | None, seq: int = 0):
+        """Layer i's keys and values [T, 8, 128] in fp32 for the first ceil(ctx/16) blocks of sequence seq's
+        table (T = ctx), or all of them (T = max_ctx) when ctx is None -- the graph's fixed shape."""
+        table = self.tables[seq] if ctx is None else self.tables[seq][: -(-ctx // BLOCK_SIZE)]
         out = []
         for cache, j in ((self.k[i], 0), (self.v[i], 1)):
             t = cache.view(torch.uint8)[table].view(cache.dtype).reshape(-1, NUM_KV_HEADS, HEAD_DIM).float()
@@ -276,9 +284,18 @@ class FlintDecoder:
             })  # fmt: skip
 
     def attend(self, i, q, positions, ctx):
-        """Causal GQA attention of q [M, 16*128] over the paged cache, softmax in fp32 -> bf16 [M, 2048]."""
+        """Causal GQA attention of q [M, 16*128] over the paged cache, softmax in fp32 -> bf16 [M, 2048]. ctx:
+        the first sequence's cached tokens (None: all, the graph's shape), a pair (sequence, tokens) for all
+        rows, or a list of such pairs, one per row (a batch of sequences)."""
+        if isinstance(ctx, list):
+            return torch.cat([self.attend_one(i, q[b : b + 1], positions[b : b + 1], c, s)
+                              for b, (s, c) in enumerate(ctx)])  # fmt: skip
+        seq, ctx = ctx if isinstance(ctx, tuple) else (0, ctx)
+        return self.attend_one(i, q, positions, ctx, seq)
+
+    def attend_one(self, i, q, positions, ctx, seq=0):
         m = q.shape[0]
-        k, v = self.cache.gather(i, ctx)  # [T, 8, 128]
+        k, v = self.cache.gather(i, ctx, seq)  # [T, 8, 128]
         qh = q.float().view(m, NUM_KV_HEADS, NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM)
         scores = torch.einsum("mhrd,thd->mhrt", qh, k) * self.scaling
         t = torch.arange(k.shape[0], device=q.device)
@@ -306,8 +323,8 @@ class FlintDecoder:
     def _ids(self, values):
         return torch.tensor(values, dtype=torch.int64, device=self.cos_sin.device)
 
-    def prefill(self, prompt: list[int]):
-        """The prompt through our own path in chunks of up to 8 tokens (one op call per layer and chunk).
+    def prefill(self, prompt: list[int], seq: int = 0):
+        """The prompt through our own path in chunks of up to 16 tokens (one op call per layer and chunk).
 
         Why not fill the cache from the model's own prefill: then the prompt's k/v would carry HF's eager
         numerics (bf16 RoPE) instead of the op's, the FP8 cache would hold values the op never wrote, and
@@ -318,9 +335,16 @@ class FlintDecoder:
         for p0 in range(0, len(prompt), MAX_M):
             chunk = prompt[p0 : p0 + MAX_M]
             pos = list(range(p0, p0 + len(chunk)))
-            h = self.forward(self._ids(chunk), self._ids(pos), self._ids([self.cache.slot(p) for p in pos]),
-                             ctx=p0 + len(chunk))  # fmt: skip
+            slots = self._ids([self.cache.slot(p, seq) for p in pos])
+            h = self.forward(self._ids(chunk), self._ids(pos), slots, ctx=(seq, p0 + len(chunk)))
         return h[-1:]
+
+    def step_batch(self, tokens: list[int], positions: list[int]):
+        """One eager decode step of a batch: token b of sequence b at its own position (M = len(tokens)),
+        each attending over its own pos + 1 cached tokens."""
+        slots = [self.cache.slot(p, b) for b, p in enumerate(positions)]
+        return self.forward(self._ids(tokens), self._ids(positions), self._ids(slots),
+                            ctx=[(b, p + 1) for b, p in enumerate(positions)])  # fmt: skip
 
     def step(self, token: int | torch.Tensor, pos: int):
         """One eager decode step (M = 1) attending over exactly pos + 1 cached tokens."""
@@ -423,15 +447,14 @@ def reference_decode(model, prompt, steps, logits_of, scales=None, tokens=None):
     return torch.stack(logits), out_tokens, amax
 
 
-def fp32_teacher_forced(model, prompt, tokens, scales=None):
-    """The same model (same weights, same cache format) in fp32, one forward over prompt + tokens[:-1]:
-    the yardstick for how far any bf16 computation of this model -- its own included -- lands."""
-    m32 = copy.deepcopy(model).float()
+def fp32_teacher_forced(model, prompt, tokens, scales=None, m32=None):
+    """The same model (same weights, same cache format) in fp32 (m32, or a copy made here), one forward over
+    prompt + tokens[:-1]: the yardstick for how far any bf16 computation of this model -- its own included
+    -- lands."""
+    m32 = m32 if m32 is not None else copy.deepcopy(model).float()
     ids = torch.tensor([prompt + tokens[:-1]], device=model.device)
     h = m32.model(input_ids=ids, past_key_values=reference_cache(m32, scales), use_cache=True)
-    logits = h.last_hidden_state[0, len(prompt) - 1 :] @ m32.lm_head.weight.T
-    del m32
-    return logits
+    return h.last_hidden_state[0, len(prompt) - 1 :] @ m32.lm_head.weight.T
 
 
 def ours_teacher_forced(dec, prompt, ref_tokens, logits_of, static=False):
@@ -449,6 +472,40 @@ def ours_teacher_forced(dec, prompt, ref_tokens, logits_of, static=False):
             h = dec.step(ref_tokens[t - 1], n + t - 1)
         logits.append(logits_of(h)[0])
     return torch.stack(logits)
+
+
+def ours_batched_teacher_forced(dec, prompts, ref_tokens, logits_of):
+    """A batch of sequences decoding together: each prompt prefilled on its own, then per step ONE call of
+    the op per layer for all sequences (M = the batch), sequence b's token at its own position and slots.
+    Our logits [batch, steps, V], each sequence fed the reference's tokens."""
+    dec.cache.reset()
+    logits = [[logits_of(dec.prefill(p, seq=b))[0]] for b, p in enumerate(prompts)]
+    for t in range(1, len(ref_tokens[0])):
+        h = dec.step_batch([tk[t - 1] for tk in ref_tokens], [len(p) + t - 1 for p in prompts])
+        for b, lg in enumerate(logits_of(h)):
+            logits[b].append(lg)
+    return torch.stack([torch.stack(lg) for lg in logits])
+
+
+def batched(args, model, op, weights, device, logits_of, cos_sin, scales):
+    """--batch N: N random prompts of different lengths (so different positions and context), decoded
+    together; each sequence's logits against the model's own forward of that sequence alone, with the bound
+    of the worst sequence's floor."""
+    g = torch.Generator().manual_seed(args.seed + 4)
+    lens = [args.prompt_len + 3 * b for b in range(args.batch)]
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    refs = [reference_decode(model, p, args.steps, logits_of, scales) for p in prompts]
+    m32 = copy.deepcopy(model).float()
+    floors = [compare(r[0], fp32_teacher_forced(model, p, r[1], scales, m32))
+              for p, r in zip(prompts, refs, strict=True)]  # fmt: skip
+    del m32
+    cache = PagedKV(args.layers, max(lens) + args.steps, device, scales, seed=args.seed + 5, seqs=args.batch)
+    dec = FlintDecoder(model, op, weights, cache, cos_sin)
+    ours = ours_batched_teacher_forced(dec, prompts, [r[1] for r in refs], logits_of)
+    bound = BOUND_FACTOR * max(f["max"] for f in floors) * args.bound_scale
+    per_seq = [compare(o, r[0], bound) for o, r in zip(ours, refs, strict=True)]
+    worst = max(range(args.batch), key=lambda b: per_seq[b]["max"])
+    return dict(per_seq[worst], ok=all(c["ok"] for c in per_seq), seq=worst, lens=lens, floor=floors[worst])
 
 
 def ours_free_running(dec, prompt, steps, logits_of):
@@ -569,12 +626,17 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-latency", action="store_true", help="skip the latency table")
+    p.add_argument("--batch", type=int, default=1,
+                   help=f"also decode this many sequences together (2..{MAX_M}: one op call of M = batch per "
+                        "layer and step), each checked against the model")  # fmt: skip
     p.add_argument("--bound-scale", type=float, default=1.0, help="multiply every acceptance bound (tests)")
     args = p.parse_args(argv)  # fmt: skip
     if args.layers is None:
         args.layers = 2 if args.tiny else 28
     if args.steps < 2 or args.prompt_len < 1 or args.layers < 1:
         p.error("need --steps >= 2, --prompt-len >= 1, --layers >= 1")
+    if not 1 <= args.batch <= MAX_M:
+        p.error(f"need 1 <= --batch <= {MAX_M}")
     return args
 
 
@@ -636,6 +698,9 @@ def run(argv=None) -> dict:
         ours = ours_teacher_forced(dec, prompt, tokens, logits_of)
         ours_static = ours_teacher_forced(dec, prompt, tokens, logits_of, static=True)
         free = ours_free_running(dec, prompt, args.steps, logits_of)
+        batch = None
+        if args.batch > 1:
+            batch = batched(args, model, op, weights, device, logits_of, cos_sin, scales)
 
     static = "CUDA graph" if device.type == "cuda" else "static step (CPU, no graph)"
     floor = compare(ref, ref32)
@@ -651,6 +716,8 @@ def run(argv=None) -> dict:
         rows["ours eager vs model with a BF16 cache"] = compare(
             ours, ref_bf16_cache, FP8_VS_BF16_BOUND * args.bound_scale
         )
+    if batch is not None:
+        rows[f"ours batched ({args.batch} sequences) vs model, worst"] = batch
     m = margins(ref)
     scale = ref.abs().amax(dim=-1)
     div = next((t for t, (a, b) in enumerate(zip(free, tokens, strict=True)) if a != b), None)
@@ -670,6 +737,10 @@ def run(argv=None) -> dict:
         print(f"  {name:50s} {r['max']:9.2e} {r['median']:9.2e} {r['top1']:6.3f}{verdict}{flips}")
     extra = f" x {args.bound_scale:g} (--bound-scale)" if args.bound_scale != 1 else ""
     print(f"  bound = {BOUND_FACTOR:g} x the floor's max{extra}")
+    if batch is not None:
+        print(f"  batched: {args.batch} sequences of prompt lengths {batch['lens'][0]}..{batch['lens'][-1]} "
+              f"decoding together (one op call of M = {args.batch} per layer and step); worst sequence "
+              f"{batch['seq']}, its bound {BOUND_FACTOR:g} x the worst floor {batch['floor']['max']:.2e}")
     print(
         f"  reference top-1 margin: min {float(m.min()):.3g}, median {float(m.median()):.3g} ({ties} exact "
         f"ties); max|logit| median {float(scale.median()):.3g}"
@@ -704,7 +775,7 @@ def run(argv=None) -> dict:
         f"({time.perf_counter() - t_start:.1f} s)"
     )
     return {"passed": passed, "checks": checks, "bound": bound, "comparisons": rows, "divergence": div,
-            "tokens_model": tokens, "tokens_ours": free, "latency_ms": lat}  # fmt: skip
+            "tokens_model": tokens, "tokens_ours": free, "latency_ms": lat, "batch": batch}  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -172,6 +172,7 @@ def _entry(s: Specialization, key: str, cubin: bytes, meta: dict) -> KernelEntry
         block=tuple(meta["block"]),
         cluster=tuple(meta["cluster"]),
         dyn_smem=int(meta["dyn_smem"]),
+        dyn_smem_per_m=int(meta["dyn_smem_per_m"]),
         grid=tuple(meta["grid"]),
         params=tuple(Param(*p) for p in meta["params"]),
         build_key=key,

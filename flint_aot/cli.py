@@ -9,6 +9,7 @@ import sys
 import click
 
 from flint_aot import __version__
+from loader.abi import MAX_M
 
 DEFAULT_BUNDLE = "build/flint"
 
@@ -199,14 +200,15 @@ def pack(bundle, out):
 
 @main.command()
 @BUNDLE_ARG
-@click.option("-m", "tokens", default=3, show_default=True, type=click.IntRange(1, 8), help="Tokens (M).")
+@click.option("-m", "tokens", multiple=True, type=click.IntRange(1, MAX_M),
+              help="Tokens per call (M; repeatable). Default: 1, 8 and 16.")  # fmt: skip
 def doctor(bundle, tokens):
-    """Run every variant of BUNDLE (default build/flint) once on this GPU against the torch reference; exit 1
-    if any fails."""
+    """Run every variant of BUNDLE (default build/flint) on this GPU against the torch reference, at each M
+    that runs it (the 8-token kernels at M = 1 and 8, the 16-token ones at M = 16); exit 1 if any fails."""
     from loader.doctor import report, run  # the same code as `python -m loader.doctor`
 
     try:
-        results = run(bundle, m=tokens)
+        results = run(bundle, ms=tokens or (1, 8, 16))
     except Exception as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
     click.echo(report(results))

@@ -9,7 +9,6 @@ session; dies with the builder (PR_SET_PDEATHSIG), so a killed build leaves no c
 from __future__ import annotations
 
 import ctypes
-import importlib
 import json
 import os
 import signal
@@ -37,11 +36,11 @@ def main(argv: list[str]) -> int:
     _die_with_builder()
     # Never let the DSL guess the target from a (missing) GPU: the arch is always explicit.
     os.environ["CUTE_DSL_ARCH"] = arch
-    from flint_aot.kernels import MODULES
+    from flint_aot.kernels import kernel_class
 
-    mod = importlib.import_module(MODULES[kind])
+    cls = kernel_class(kind)
     t0 = time.perf_counter()
-    c = mod.compile(json.loads(spec_json), arch, prefix)
+    c = cls(json.loads(spec_json)).compile(arch, prefix)
     secs = time.perf_counter() - t0
     with open(os.path.join(out, "kernel.cubin"), "wb") as f:
         f.write(c.cubin)
@@ -54,6 +53,7 @@ def main(argv: list[str]) -> int:
         "cluster": list(c.cluster),
         "grid": list(c.grid),
         "dyn_smem": c.dyn_smem,
+        "dyn_smem_per_m": c.dyn_smem_per_m,
         "compile_seconds": round(secs, 3),
     }
     with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:

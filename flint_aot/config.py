@@ -9,6 +9,10 @@
       heads: [[32, 4], [16, 8]] # (num_q_heads, num_kv_heads)
       kv_cache_dtype: [bf16, fp8_e4m3]   # optional, default [bf16]
       norm: [separate, prologue]         # optional, default [separate]
+      max_m: [8, 16]                     # optional, default [8, 16]: token tiles (16 required)
+    gemv:
+      weight_format: [bf16, nvfp4]
+      max_m: [8, 16]                     # optional, as qkv.max_m
 
 Every error names the file, the key path, the offending value and what is accepted.
 """
@@ -22,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from loader import abi
-from loader.abi import KINDS, KV_CACHE_DTYPES, NORM_MODES, WEIGHT_FORMATS
+from loader.abi import KINDS, KV_CACHE_DTYPES, M_TILES, MAX_M, NORM_MODES, WEIGHT_FORMATS
 
 ARCHS = tuple(abi.ARCH_CC)
 MAX_HEADS = 128
@@ -98,6 +102,16 @@ class _Checker:
                 self.fail(f"{path}[{i}]", item, "true | false")
         return v
 
+    def tiles(self, v, path: str) -> list:
+        accepted = " | ".join(map(str, M_TILES))
+        v = self.nonempty_unique_list(v, path, accepted)
+        for i, item in enumerate(v):
+            if isinstance(item, bool) or item not in M_TILES:
+                self.fail(f"{path}[{i}]", item, accepted)
+        if MAX_M not in v:  # (calls of 9..16 tokens could not run)
+            self.fail(path, v, f"a list holding {MAX_M}: the tile that serves M up to {MAX_M}")
+        return sorted(v)
+
     def heads(self, v, path: str) -> list:
         what = "[num_q_heads, num_kv_heads] pairs of positive integers, q a multiple of kv"
         v = self.nonempty_unique_list(v, path, what)
@@ -130,7 +144,8 @@ def validate(raw, source: str = "<config>") -> dict:
                 out["norm"]["debug_spin_cycles"] = v
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
-                                          "kv_cache_dtype": False, "norm": False})  # fmt: skip
+                                          "kv_cache_dtype": False, "norm": False,
+                                          "max_m": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
@@ -138,11 +153,13 @@ def validate(raw, source: str = "<config>") -> dict:
             "kv_cache_dtype": list(c.choices(q.get("kv_cache_dtype", ["bf16"]), "qkv.kv_cache_dtype",
                                              KV_CACHE_DTYPES)),
             "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
+            "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
         }  # fmt: skip
     if "gemv" in raw:
-        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True})
+        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
-        out["gemv"] = {"weight_format": list(fmts)}
+        tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
+        out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
     if "qk_norm_rope_cache" in raw:
         g = c.mapping(
             raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
@@ -246,11 +263,12 @@ def expand(config: dict) -> list[Specialization]:
     if "qkv" in config:
         q = config["qkv"]
         axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
-                q.get("norm", ["separate"]))  # fmt: skip
-        for fmt, rope, (nq, nkv), kv, norm in itertools.product(*axes):
-            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm)))
-    for fmt in config.get("gemv", {}).get("weight_format", []):
-        specs.append(("gemv", abi.gemv_spec(fmt)))
+                q.get("norm", ["separate"]), q.get("max_m", list(M_TILES)))  # fmt: skip
+        for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
+            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
+    g = config.get("gemv", {})
+    for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
+        specs.append(("gemv", abi.gemv_spec(fmt, tile)))
     g = config.get("qk_norm_rope_cache", {})
     for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
         specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))

@@ -11,7 +11,9 @@ from __future__ import annotations
 HIDDEN = 2048  # K: the model's hidden size, the GEMV's reduction length
 HEAD_DIM = 128
 HALF_DIM = HEAD_DIM // 2
-MAX_M = 8  # decode tokens per call
+MAX_M = 16  # decode tokens per call
+# compile-time token tiles of the GEMV kernels (qkv, gemv): the loader runs the smallest that holds M
+M_TILES = (8, 16)
 ROWS_PER_CTA = 16  # GEMV output rows per CTA (128 threads)
 CLUSTER = HEAD_DIM // ROWS_PER_CTA  # CTAs per head in the fused kernel (one cluster)
 NVFP4_BLOCK = 16  # k values per e4m3 block scale
@@ -46,15 +48,19 @@ def norm_spec(residual: bool) -> dict:
     return {"residual": bool(residual)}
 
 
-def qkv_spec(
-    weight_format: str, rope: bool, nq: int, nkv: int, kv_cache_dtype: str = "bf16", norm: str = "separate"
-) -> dict:
+def qkv_spec(weight_format: str, rope: bool, nq: int, nkv: int, kv_cache_dtype: str = "bf16",
+             norm: str = "separate", max_m: int = 8) -> dict:  # fmt: skip
     return {"weight_format": weight_format, "rope": bool(rope), "heads": [int(nq), int(nkv)],
-            "kv_cache_dtype": kv_cache_dtype, "norm": norm}  # fmt: skip
+            "kv_cache_dtype": kv_cache_dtype, "norm": norm, "max_m": int(max_m)}  # fmt: skip
 
 
-def gemv_spec(weight_format: str) -> dict:
-    return {"weight_format": weight_format}
+def gemv_spec(weight_format: str, max_m: int = 8) -> dict:
+    return {"weight_format": weight_format, "max_m": int(max_m)}
+
+
+def m_tiles(m: int) -> list[int]:
+    """The token tiles that serve M tokens, the fastest first."""
+    return [t for t in M_TILES if t >= m]
 
 
 def qk_norm_rope_cache_spec(rope: bool, kv_cache_dtype: str = "bf16") -> dict:
@@ -64,15 +70,16 @@ def qk_norm_rope_cache_spec(rope: bool, kv_cache_dtype: str = "bf16") -> dict:
 def spec_name(kind: str, spec: dict) -> str:
     """The specialization's name: unique per arch; the cubin's base name and its entry symbol's prefix."""
     kv = "" if spec.get("kv_cache_dtype", "bf16") == "bf16" else "_kvfp8"
+    tile = "" if spec.get("max_m", 8) == 8 else f"_m{spec['max_m']}"
     if kind == "norm":
         spin = spec.get("debug_spin_cycles")
         return f"norm_res{int(spec['residual'])}" + (f"_spin{spin}" if spin else "")
     if kind == "qkv":
         q, k = spec["heads"]
         pro = "_prologue" if spec.get("norm") == "prologue" else ""
-        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}"
+        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}"
     if kind == "gemv":
-        return f"gemv_{spec['weight_format']}"
+        return f"gemv_{spec['weight_format']}{tile}"
     if kind == "qk_norm_rope_cache":
         return f"qk_norm_rope_cache_rope{int(spec['rope'])}{kv}"
     raise ValueError(f"unknown kernel kind {kind!r}; known: {', '.join(KINDS)}")

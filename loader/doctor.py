@@ -1,7 +1,7 @@
 """The self-check a serving image runs after deployment (docs/bundle.md §7): every variant of a bundle, once,
 on this GPU, on random inputs, against the float64 torch reference; exit status 1 if any fails.
 
-    python -m loader.doctor [BUNDLE] [-m M]        (`flint-aot doctor` runs the same code)
+    python -m loader.doctor [BUNDLE] [-m M ...]    (`flint-aot doctor` runs the same code)
 
 Needs torch, cuda-bindings and a GPU; not the DSL, not the build package.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loader import nvfp4
+from loader import abi, nvfp4
 from loader import reference as ref
 
 K, D = 2048, 128
@@ -155,8 +155,15 @@ def _check_qk(e, m, g):
 CHECKS = {"norm": _check_norm, "qkv": _check_qkv, "gemv": _check_gemv, "qk_norm_rope_cache": _check_qk}
 
 
-def run(bundle_path=None, m: int = 3, seed: int = 0) -> list[Result]:
-    """One call per variant of the bundle for this GPU's architecture."""
+def _runs_at(e, m: int) -> bool:
+    """Whether a call of m tokens runs entry e (a GEMV kernel serves the calls its token tile is the smallest
+    of the tiles to hold)."""
+    return "max_m" not in e.spec or abi.m_tiles(m)[0] == e.spec["max_m"]
+
+
+def run(bundle_path=None, ms=(1, 8, 16), seed: int = 0) -> list[Result]:
+    """One call per variant of the bundle for this GPU's architecture and M of ms that runs it (the 8-token
+    kernels at M = 1 and 8, the 16-token ones at M = 16 by default)."""
     import loader
     from loader import runtime
 
@@ -175,12 +182,14 @@ def run(bundle_path=None, m: int = 3, seed: int = 0) -> list[Result]:
         if check is None:
             out.append(Result(e.name, float("nan"), False, 0.0, f"unknown kernel kind {e.kind!r}"))
             continue
-        try:
-            err, ms = check(e, m, g)
-            tol = FP8_TOL if e.spec.get("kv_cache_dtype") == "fp8_e4m3" else TOL
-            out.append(Result(e.name, err, err < tol, ms))
-        except Exception as ex:  # report every failure, keep checking the others
-            out.append(Result(e.name, float("nan"), False, 0.0, f"{type(ex).__name__}: {ex}"[:200]))
+        for m in [m for m in ms if _runs_at(e, m)]:
+            name = f"{e.name} M={m}"
+            try:
+                err, t = check(e, m, g)
+                tol = FP8_TOL if e.spec.get("kv_cache_dtype") == "fp8_e4m3" else TOL
+                out.append(Result(name, err, err < tol, t))
+            except Exception as ex:  # report every failure, keep checking the others
+                out.append(Result(name, float("nan"), False, 0.0, f"{type(ex).__name__}: {ex}"[:200]))
     return out
 
 
@@ -203,11 +212,12 @@ def main(argv=None) -> int:
     ap.add_argument("bundle", nargs="?", default=None,
                     help="bundle directory (default: as the loader finds it: $FLINT_AOT_BUNDLE, the packed "
                          "bundle, build/flint)")  # fmt: skip
-    ap.add_argument("-m", dest="tokens", type=int, default=3, choices=range(1, 9), metavar="M",
-                    help="tokens (1..8)")  # fmt: skip
+    ap.add_argument("-m", dest="tokens", type=int, action="append", choices=range(1, abi.MAX_M + 1),
+                    metavar="M",
+                    help=f"tokens per call (1..{abi.MAX_M}; repeatable; default 1, 8 and 16)")  # fmt: skip
     a = ap.parse_args(argv)
     try:
-        results = run(a.bundle, m=a.tokens)
+        results = run(a.bundle, ms=a.tokens or (1, 8, 16))
     except Exception as e:  # no GPU, no bundle, no cubins for this GPU: one line, exit 1
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

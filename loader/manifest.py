@@ -15,7 +15,7 @@ from pathlib import PurePosixPath
 # the parameter C types the loader packs, the symbols of grid rules and the archs: defined in loader.abi
 from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_CC re-exported)
 
-SCHEMA_VERSION = 2  # 2: each parameter records the alignment its kernel assumes (Param.align)
+SCHEMA_VERSION = 2  # 2: Param.align (the alignment a kernel assumes of a pointer), dyn_smem_per_m
 MANIFEST_NAME = "manifest.json"
 
 
@@ -47,6 +47,11 @@ class KernelEntry:
     params: tuple[Param, ...]
     build_key: str  # hash of (kernel source, DSL version, specialization, arch): the build cache key
     registers: int = 0  # REGCOUNT read from the cubin (informational)
+    dyn_smem_per_m: int = 0  # dynamic shared memory per token: a launch for M tokens asks dyn_smem + M x this
+
+    def smem(self, m: int) -> int:
+        """Dynamic shared memory (bytes) of a launch for m tokens."""
+        return self.dyn_smem + m * self.dyn_smem_per_m
 
     def param_offsets(self) -> list[tuple[int, int]]:
         """(offset, size) of each parameter in the kernel's parameter buffer (natural C alignment)."""
@@ -221,6 +226,7 @@ def _entry_fields(d: dict, where: str) -> KernelEntry:
         params=params,
         build_key=_str(d, "build_key", where),
         registers=_int(d, "registers", where, default=0),
+        dyn_smem_per_m=_int(d, "dyn_smem_per_m", where),
     )
     check_relative_path(e.file, where)
     return e

@@ -174,10 +174,12 @@ _EAGER, _GRAPH = ("prologue", "separate"), ("separate", "prologue")
 _PREFER = {None: _EAGER, "separate": ("separate",), "prologue": ("prologue",)}  # by launch_options' design
 
 
-def _qkv_launcher(dev, fmt, rope, nq, nkv, kv, prefer) -> runtime.Launcher:
-    """The qkv kernel of the first design in `prefer` that the bundle has."""
-    return _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, prefer),
-                     lambda: [abi.qkv_spec(fmt, rope, nq, nkv, kv, d) for d in prefer])  # fmt: skip
+def _qkv_launcher(dev, m, fmt, rope, nq, nkv, kv, prefer) -> runtime.Launcher:
+    """The qkv kernel of the first design in `prefer` that the bundle has, with the smallest token tile that
+    holds m."""
+    tiles = abi.m_tiles(m)
+    specs = lambda: [abi.qkv_spec(fmt, rope, nq, nkv, kv, d, t) for d in prefer for t in tiles]  # noqa: E731
+    return _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, prefer, tiles[0]), specs)
 
 
 def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
@@ -192,7 +194,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     if fmt == "bf16":
         consts.update(weight_scale=0, global_scale=0)  # (a BF16 kernel reads no scale)
     symbols = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}
-    k = _qkv_launcher(dev, fmt, stage.rope, nq, nkv, kv, prefer)
+    k = _qkv_launcher(dev, m, fmt, stage.rope, nq, nkv, kv, prefer)
     p = plans.Plan(dev, (), out=_out(x, m, nq * HEAD_DIM), stage=stage, names=names)
     if k.entry.spec["norm"] == "prologue":  # one kernel, the input norm in its prologue
         c = dict(consts, has_residual=int(has_res), **({} if has_res else {"residual": 0}))
@@ -204,7 +206,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
                     (k, symbols, c, {**renames, "x": "xn"})]  # fmt: skip
     plans.bind(p, names + _QKV_VALUES, launches)
     if prefer is _EAGER:  # (loads the graph design's kernel now, outside any capture)
-        p.graph = _qkv_launcher(dev, fmt, stage.rope, nq, nkv, kv, _GRAPH) is not k
+        p.graph = _qkv_launcher(dev, m, fmt, stage.rope, nq, nkv, kv, _GRAPH).entry is not k.entry
     return p
 
 
@@ -283,7 +285,8 @@ def _gemv_plan(names, renames, args) -> plans.Plan:
     x, weight, weight_scale, global_scale = args
     m, dev = checks.activations(x)
     fmt, n = checks.weight(weight, weight_scale, global_scale, dev, None)
-    k = _launcher(dev, "gemv", fmt, lambda: abi.gemv_spec(fmt))
+    tiles = abi.m_tiles(m)
+    k = _launcher(dev, "gemv", (fmt, tiles[0]), lambda: [abi.gemv_spec(fmt, t) for t in tiles])
     p = plans.Plan(dev, (), out=_out(x, m, n), names=names)
     consts = dict(m=m, n=n, **({"weight_scale": 0, "global_scale": 0} if fmt == "bf16" else {}))
     plans.bind(p, names + ("y",), [(k, {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA}, consts, renames)])

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver as cu
 
-from loader.abi import ARCH_CC, NORM_MODES
+from loader.abi import ARCH_CC, MAX_M, NORM_MODES
 from loader.bundle import REBUILD, Bundle, BundleError
 from loader.manifest import KernelEntry
 
@@ -204,11 +204,9 @@ def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
             if entry.cluster != (1, 1, 1):
                 a = attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
                 _check(cu.cuFuncSetAttribute(fn, a, 1), "cuFuncSetAttribute(non-portable cluster)")
-            if entry.dyn_smem > 0:
+            if entry.smem(MAX_M) > 0:  # (the carveout is the driver's choice, per launch)
                 a = attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _check(cu.cuFuncSetAttribute(fn, a, entry.dyn_smem), "cuFuncSetAttribute(dynamic smem)")
-                a = attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT  # all of L1 as shared memory:
-                _check(cu.cuFuncSetAttribute(fn, a, 100), "cuFuncSetAttribute(carveout)")  # most CTAs per SM
+                _check(cu.cuFuncSetAttribute(fn, a, entry.smem(MAX_M)), "cuFuncSetAttribute(dynamic smem)")
         except Exception:
             cu.cuModuleUnload(module)
             raise
@@ -245,7 +243,7 @@ class Launcher:
         self._argv_addr = ctypes.addressof(self._argv)
         self._cfgs = {pdl: self._config(entry, pdl) for pdl in (True, False)}
         fn_argv = ctypes.c_void_p(int(function)), ctypes.c_void_p(self._argv_addr)
-        # per PDL setting: [config, its grid x, its stream, the driver call's arguments]
+        # per PDL setting: [config, its grid and shared memory, its stream, the driver call's arguments]
         self._state = {pdl: [cfg, None, None, (ctypes.c_void_p(cfg.getPtr()), *fn_argv, None)]
                        for pdl, cfg in self._cfgs.items()}  # fmt: skip
 
@@ -254,7 +252,7 @@ class Launcher:
         cfg = cu.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 1, 1, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = e.block
-        cfg.sharedMemBytes = e.dyn_smem
+        cfg.sharedMemBytes = 0
         a = cu.CUlaunchAttribute()
         a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         a.value.programmaticStreamSerializationAllowed = int(pdl)
@@ -283,7 +281,8 @@ class Launcher:
         get, const_values, align = layout
         fixed = const_values(consts)
         pack_into, buf, launch = self._struct.pack_into, self._buf, self.launch
-        grid = tuple(symbols[g] if isinstance(g, str) else g for g in self.entry.grid)
+        grid = (symbols[g] if isinstance(g, str) else g for g in self.entry.grid)
+        dims = (*grid, self.entry.smem(symbols["M"]))  # the launch's grid and dynamic shared memory
         try:
             self._struct.pack(*get((0,) * len(names) + fixed))
         except struct.error:
@@ -295,7 +294,7 @@ class Launcher:
             except struct.error:  # a value outside its C type: the ops' checks should have caught it first
                 self._refuse(get(values + fixed))
                 raise
-            launch(grid, stream, pdl)
+            launch(dims, stream, pdl)
 
         return run, align
 
@@ -315,7 +314,7 @@ class Launcher:
             i = names.index(src)
             idx.append(i)
             align[i] = max(align[i], p.align)
-        if any(isinstance(g, str) and g not in symbols for g in self.entry.grid):
+        if any(isinstance(g, str) and g not in symbols for g in self.entry.grid) or "M" not in symbols:
             raise BundleError(f"{self.entry.file}: grid rule {self.entry.grid} names a symbol this loader "
                               f"does not supply for {self.entry.kind} ({', '.join(symbols)}); "
                               f"{REBUILD}")  # fmt: skip
@@ -332,12 +331,13 @@ class Launcher:
                 raise ValueError(f"{self.entry.name}: {p.name} = {v!r} does not fit the kernel's {p.type} "
                                  f"parameter ({e})") from None
 
-    def launch(self, grid: tuple, stream: int, pdl: bool) -> None:
-        """Launch with the packed parameters on the raw stream handle `stream`."""
+    def launch(self, dims: tuple, stream: int, pdl: bool) -> None:
+        """Launch with the packed parameters on the raw stream handle `stream`; dims: (grid x, y, z, dynamic
+        shared memory bytes)."""
         st = self._state[pdl]
         cfg = st[0]
-        if st[1] is not grid:
-            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = st[1] = grid
+        if st[1] is not dims:
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.sharedMemBytes = st[1] = dims
         if st[2] != stream:
             cfg.hStream = cu.CUstream(stream)
             st[2] = stream

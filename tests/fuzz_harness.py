@@ -322,7 +322,9 @@ def gscale_arg(draw, cfg, fmt: str):
 
 
 def _m(draw):
-    return draw(st.integers(1, MAX_M)) if not _rare(draw, 5) else draw(st.sampled_from([0, 9, 16]))
+    if _rare(draw, 5):
+        return draw(st.sampled_from([0, MAX_M + 1, 2 * MAX_M]))
+    return draw(st.integers(1, MAX_M))
 
 
 def _common(draw, cfg, op):

@@ -20,7 +20,7 @@ pytestmark = needs_dsl
 # 8 specializations, ~1-3 s each on the CI machine
 CONFIG = (
     "archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n"
-    "qkv:\n  weight_format: [bf16]\n  rope: [true, false]\n  heads: [[8, 1]]\n"
+    "qkv:\n  weight_format: [bf16]\n  rope: [true, false]\n  heads: [[8, 1]]\n  max_m: [16]\n"
 )
 
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from loader import nvfp4  # noqa: E402
-from loader.abi import F32_MAX, MAX_GEMV_ROWS  # noqa: E402
+from loader.abi import F32_MAX, MAX_GEMV_ROWS, MAX_M  # noqa: E402
 from loader.reference import fp8_cache_value, make_cos_sin_cache, qk_norm_rope_ref, rms_norm_ref  # noqa: E402
 from tests import fuzz_harness as fh  # noqa: E402
 from tests import helpers as h  # noqa: E402
@@ -118,8 +118,8 @@ class FakeLoader:
             raise TypeError(f"{name} must be a tensor")
         if x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"{name} must have shape [M, {K}]")
-        if not 1 <= x.shape[0] <= 8:
-            raise ValueError(f"{name} has M = {x.shape[0]}; 1 <= M <= 8")
+        if not 1 <= x.shape[0] <= MAX_M:
+            raise ValueError(f"{name} has M = {x.shape[0]}; 1 <= M <= {MAX_M}")
         return self._t(name, x, (torch.bfloat16,))
 
     def _weight(self, w, ws, gs, rows):
@@ -329,8 +329,8 @@ class FakeLoader:
         if not isinstance(qkv, torch.Tensor):
             raise TypeError("qkv must be a tensor")
         n = (nq + 2 * nkv) * D
-        if qkv.dim() != 2 or qkv.shape[1] != n or not 1 <= qkv.shape[0] <= 8:
-            raise ValueError(f"qkv must have shape [M, {n}], 1 <= M <= 8")
+        if qkv.dim() != 2 or qkv.shape[1] != n or not 1 <= qkv.shape[0] <= MAX_M:
+            raise ValueError(f"qkv must have shape [M, {n}], 1 <= M <= {MAX_M}")
         self._t("qkv", qkv, (torch.bfloat16,))
         m = qkv.shape[0]
         qe, kv, scales = self._qk(m, nq, nkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache,
@@ -420,11 +420,11 @@ def test_random_examples_pass_against_a_correct_loader(op, strict, data):
 
 @pytest.mark.parametrize("op", fh.OPS)
 def test_strategies_draw_valid_invalid_and_open_examples(op):
-    """Of 200 drawn examples (judged by the rules, not run), some must pass, some must be rejected, and the
+    """Of 400 drawn examples (judged by the rules, not run), some must pass, some must be rejected, and the
     fused op sees variants the bundle lacks: the strategies are not lopsided."""
     seen = Counter()
 
-    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(st.data())
     def draw(data):
@@ -433,7 +433,7 @@ def test_strategies_draw_valid_invalid_and_open_examples(op):
         seen["lookup only"] += e.must_reject and e.allowed() == {LookupError}
 
     draw()
-    assert seen["valid"] >= 60 and seen["reject"] >= 15, seen
+    assert seen["valid"] >= 120 and seen["reject"] >= 30, seen
     if op == "qkv":
         assert seen["lookup only"] >= 1, seen
 
@@ -484,9 +484,9 @@ def base_spec(op="qkv", kv="bf16", fmt="bf16", m=3):
         k_norm_weight=T((D,), "bf16", ("randn", 0.3, 1.0)),
         qk_eps=1e-6,
         cos_sin_cache=T((4096, D), "f32", ("table", 4096)),
-        pos_values=[5, 17, 4000, 9, 1, 2, 3, 4, 5][:m],
+        pos_values=[5, 17, 4000, 9, 1, 2, 3, 4, 5, 6, 70, 8, 900, 10, 11, 12, 13][:m],
         positions=T((m,), "i64", ("ints",)),
-        slot_values=[3, 20, 0, 1, 2, 4, 5, 6, 7][:m],
+        slot_values=[3, 20, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15][:m],
         slot_mapping=T((m,), "i64", ("ints",)),
         caches=dict(layout="separate", nb=2, bs=16, nkv=1, dtype=cdt, vdtype=cdt, koff=0, voff=0, pad=(0, 0),
                     kdev="home", vdev="home"),
@@ -524,7 +524,8 @@ def test_base_examples_are_valid_and_pass(op, kv, fmt):
 EXPECTATIONS = [
     # (changes to the qkv base example, expected exception types, or None = must succeed, "either")
     (dict(m=0), {ValueError}),
-    (dict(m=9), {ValueError}),
+    (dict(m=MAX_M + 1), {ValueError}),
+    (dict(m=MAX_M), None),
     (dict(eps=float("nan")), {ValueError}),
     (dict(eps=True), {TypeError, ValueError}),
     (dict(eps=10**400), {TypeError, ValueError}),

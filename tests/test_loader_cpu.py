@@ -91,10 +91,9 @@ def test_param_offsets_natural_alignment():
 def _default_bundle_entries():
     """Manifest entries (sm_90a) for every specialization of configs/flint.yaml, with each kernel's parameter
     list read from its @cute.kernel signature, as the build records it (no compile needed)."""
-    import importlib
 
     from flint_aot.config import expand, load_config
-    from flint_aot.kernels import MODULES
+    from flint_aot.kernels import kernel_class
     from flint_aot.kernels.compile import kernel_params
     from loader.abi import GRID
     from loader.manifest import KernelEntry, Param
@@ -103,11 +102,11 @@ def _default_bundle_entries():
     for s in expand(load_config(ROOT / "configs" / "flint.yaml")):
         if s.arch != "sm_90a":
             continue
-        mod = importlib.import_module(MODULES[s.kind])
-        params = kernel_params(mod.kernel(s.spec), mod.ptr_types(s.spec))
+        k = kernel_class(s.kind)(s.spec)
+        params = kernel_params(k.kernel, k.ptr_types())
         out.append(KernelEntry(s.kind, s.name, s.spec, s.arch, f"{s.name}.cubin", 1, "0" * 64, s.name,
-                               (128, 1, 1), (1, 1, 1), 0, GRID[s.kind],
-                               tuple(Param(*p) for p in params), "k"))  # fmt: skip
+                               k.block, k.cluster, 0, GRID[s.kind], tuple(Param(*p) for p in params), "k",
+                               dyn_smem_per_m=k.dyn_smem_per_m))  # fmt: skip
     return out
 
 
@@ -176,7 +175,8 @@ def _qkv_inputs(m, nq, nkv, fmt, rope, kv):
 @needs_dsl
 def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
     """For every op and every entry of the default bundle, the names the op fills are exactly the kernel's
-    parameters (written once, in the kernel's signature), and the op launches the entry it should."""
+    parameters (written once, in the kernel's signature), and the op launches the entry it should: for the
+    GEMV kernels the smallest token tile that holds M (M = 3 and 12 here)."""
     import torch
 
     import loader
@@ -190,7 +190,8 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
             s = e.spec
             if e.kind == "qkv":
                 nq, nkv = s["heads"]
-                c = _qkv_inputs(3, nq, nkv, s["weight_format"], s["rope"], s["kv_cache_dtype"])
+                m = 3 if s["max_m"] == 8 else 12
+                c = _qkv_inputs(m, nq, nkv, s["weight_format"], s["rope"], s["kv_cache_dtype"])
                 for design in (None, s["norm"]):  # the loader's choice, then this entry's design asked for
                     dry.launched.clear()
                     with loader.launch_options(design=design):
@@ -199,7 +200,7 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
                     kinds = [x.kind for x, _, _ in dry.launched]
                     assert kinds == (["norm", "qkv"] if want == "separate" else ["qkv"]), kinds
                     assert dry.launched[-1][0].spec == dict(s, norm=want)
-                    assert q.shape == (3, nq * 128) and r.shape == (3, 2048)
+                    assert q.shape == (m, nq * 128) and r.shape == (m, 2048)
             elif e.kind == "norm":
                 x, w = torch.randn(2, 2048).bfloat16(), torch.ones(2048).bfloat16()
                 if s["residual"]:
@@ -208,9 +209,10 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
                     loader.rms_norm(x, w, 1e-6)
                 assert [x.name for x, _, _ in dry.launched] == [e.name]
             elif e.kind == "gemv":
-                c = _qkv_inputs(2, 8, 1, s["weight_format"], True, "bf16")
+                m = 2 if s["max_m"] == 8 else 12
+                c = _qkv_inputs(m, 8, 1, s["weight_format"], True, "bf16")
                 y = loader.gemv(c["x"], c["weight"], c["weight_scale"], c["global_scale"])
-                assert [x.name for x, _, _ in dry.launched] == [e.name] and y.shape == (2, 1280)
+                assert [x.name for x, _, _ in dry.launched] == [e.name] and y.shape == (m, 1280)
             else:
                 c = _qkv_inputs(2, 8, 1, "bf16", s["rope"], s["kv_cache_dtype"])
                 keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache",

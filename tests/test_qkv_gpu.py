@@ -31,7 +31,7 @@ def _has_design(bundle, design) -> bool:
 @pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("m", range(1, 17))
 def test_every_variant(gpu_bundle, m, fmt, kv, design):
     import loader
 
@@ -56,13 +56,13 @@ def test_every_variant(gpu_bundle, m, fmt, kv, design):
 def test_designs_bit_identical(gpu_bundle, fmt, kv):
     """The prologue design computes the input norm with the norm kernel's roundings and summation order, and
     then runs the same GEMV and epilogue: q, residual_out and every cache byte (written or not) must equal
-    the two-kernel design's, for every variant, M = 1, 4, 8, with and without a residual."""
+    the two-kernel design's, for every variant, M = 1, 4, 8, 12, 16, with and without a residual."""
     import loader
 
     if not all(_has_design(gpu_bundle, d) for d in DESIGNS):
         pytest.skip("the bundle lacks one of the two designs")
     for i, (rope, (nq, nkv)) in enumerate(variants(gpu_bundle, fmt, kv)):
-        for m in (1, 4, 8):
+        for m in (1, 4, 8, 12, 16):
             for residual in (True, False):
                 c = make_case(
                     m, nq, nkv, rope, seed=3000 + 10 * m + i, residual=residual, fmt=fmt, kv_dtype=kv
@@ -81,22 +81,54 @@ def test_designs_bit_identical(gpu_bundle, fmt, kv):
                     assert torch.equal(a, b), (what, fmt, kv, rope, nq, nkv, m, residual)
 
 
+@pytest.mark.parametrize("m", [8, 16])
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("split_kv", [False, True])
-def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv, fmt, kv):
+def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv, fmt, kv, m):
     nq, nkv = pick_heads(gpu_bundle, fmt, kv)
     nb = 64 // block_size + 2
-    slots = torch.tensor([5, -1, nb * block_size - 1, 0, -7, 17], device="cuda")  # shorter than M, negatives
+    slots = [5, -1, nb * block_size - 1, 0, -7, 17]  # shorter than M, negatives
+    if m > 8:
+        slots += [33, -2, 40, 41, 9, 2, -5]  # 13 slots for 16 tokens
+    slots = torch.tensor(slots, device="cuda")
     c = make_case(
-        8, nq, nkv, True, seed=block_size, num_blocks=nb, block_size=block_size, split_kv=split_kv,
+        m, nq, nkv, True, seed=block_size, num_blocks=nb, block_size=block_size, split_kv=split_kv,
         slots=slots, fmt=fmt, kv_dtype=kv,
     )  # fmt: skip
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     q, res_out = run(c)
     torch.cuda.synchronize()
     check(c, q, res_out, kb, vb)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_token_tiles_agree(gpu_bundle, fmt, design):
+    """The 16-token kernel (M = 9..16) gives each token the bits the 8-token kernel gives it: a call of M
+    tokens equals, q row by row and every cache byte, calls on its first 8 tokens and on the rest."""
+    import loader
+
+    if not _has_design(gpu_bundle, design):
+        pytest.skip(f"the bundle has no {design}-design qkv kernels")
+    for i, (rope, (nq, nkv)) in enumerate(variants(gpu_bundle, fmt)):
+        m = (10, 13, 16)[i % 3]
+        c = make_case(m, nq, nkv, rope, seed=6100 + i, residual=(i % 2 == 0), fmt=fmt)
+        parts = dict(c, k_cache=c["k_cache"].clone(), v_cache=c["v_cache"].clone())
+        with loader.launch_options(design=design):
+            q, r = run(c)
+            halves = []
+            for a, b in ((0, 8), (8, m)):
+                h = dict(parts, **{k: None if c[k] is None else c[k][a:b].contiguous()
+                                   for k in ("x", "residual", "positions", "slot_mapping")})  # fmt: skip
+                halves.append(run(h))
+        torch.cuda.synchronize()
+        bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
+        assert torch.equal(bits(q), bits(torch.cat([h[0] for h in halves])))
+        assert torch.equal(bits(r), bits(torch.cat([h[1] for h in halves])))
+        for name in ("k_cache", "v_cache"):
+            assert torch.equal(bits(c[name]), bits(parts[name])), (name, rope, nq, nkv, m)
 
 
 @pytest.mark.parametrize("kv", KV)
@@ -114,11 +146,12 @@ def test_two_runs_bit_identical(gpu_bundle, fmt, kv):
         assert torch.equal(a.view(bits), b.view(bits))
 
 
+@pytest.mark.parametrize("m", [4, 16])
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_graph_capture_replay(gpu_bundle, fmt, kv):
+def test_graph_capture_replay(gpu_bundle, fmt, kv, m):
     nq, nkv = pick_heads(gpu_bundle, fmt, kv, prefer=((32, 4),))
-    c = make_case(4, nq, nkv, True, seed=4, fmt=fmt, kv_dtype=kv)
+    c = make_case(m, nq, nkv, True, seed=4, fmt=fmt, kv_dtype=kv)
     run(c)  # load modules before capture
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -127,7 +160,7 @@ def test_graph_capture_replay(gpu_bundle, fmt, kv):
     with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
         q, res_out = run(c)
     for seed in (5, 6):
-        n = make_case(4, nq, nkv, True, seed=seed, fmt=fmt, kv_dtype=kv)
+        n = make_case(m, nq, nkv, True, seed=seed, fmt=fmt, kv_dtype=kv)
         for key in ("x", "residual", "positions", "slot_mapping"):
             c[key].copy_(n[key])
         poison_cache_(c["k_cache"])
@@ -138,8 +171,9 @@ def test_graph_capture_replay(gpu_bundle, fmt, kv):
         check(c, q, res_out, kb, vb)
 
 
+@pytest.mark.parametrize("m", [5, 16])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_default_design_eager_and_captured(gpu_bundle, fmt):
+def test_default_design_eager_and_captured(gpu_bundle, fmt, m):
     """Without launch_options(design=): eager calls run the prologue design (one launch: the least host time),
     calls captured in a CUDA graph the two-kernel design (the least GPU time); both write the same bytes."""
     import loader
@@ -153,7 +187,7 @@ def test_default_design_eager_and_captured(gpu_bundle, fmt):
         return {"separate" if p.xn else "prologue" for k in keys for p in runtime.thread_cache()[k]}
 
     nq, nkv = pick_heads(gpu_bundle, fmt, "bf16", prefer=((32, 4),))
-    c = make_case(5, nq, nkv, True, seed=41, fmt=fmt)
+    c = make_case(m, nq, nkv, True, seed=41, fmt=fmt)
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     runtime.thread_cache().clear()
     q, r = loader.flint_qkv_fused(**op_args(c))
@@ -331,12 +365,12 @@ def test_bad_fp8_cache_inputs_raise_and_write_nothing(gpu_bundle):
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_fp8_cache_bytes_from_the_bf16_values(gpu_bundle, fmt):
     """An FP8 cache holds, bit for bit, e4m3(bf16 value / scale) (round to nearest even, saturated at ±448) of
-    the values the same call writes into a BF16 cache; q is bit-identical. Every FP8 variant, M = 1..8."""
+    the values the same call writes into a BF16 cache; q is bit-identical. Every FP8 variant, M = 1..16."""
     have16 = set(variants(gpu_bundle, fmt, "bf16"))
     both = [v for v in variants(gpu_bundle, fmt, "fp8_e4m3") if v in have16]
     assert both, f"the bundle has no {fmt} qkv variant with both a BF16 and an FP8 KV cache"
     for i, (rope, (nq, nkv)) in enumerate(both):
-        for m in range(1, 9):
+        for m in range(1, 17):
             seed = 5000 + 10 * i + m
             c8 = make_case(m, nq, nkv, rope, seed=seed, fmt=fmt, kv_dtype="fp8_e4m3", cache_u8=(m % 2 == 0))
             c16 = make_case(m, nq, nkv, rope, seed=seed, fmt=fmt)
@@ -377,7 +411,7 @@ def test_slow_producer(gpu_bundle):
         norms = [e for e in b.manifest.kernels if e.kind == "norm" and e.arch == "sm_90a"]
         assert norms and all(e.spec.get("debug_spin_cycles", 0) >= 1_000_000 for e in norms)
         for i, (rope, (nq, nkv)) in enumerate(variants(b)):
-            for m in (1, 5, 8):
+            for m in (1, 5, 8, 13, 16):
                 c = make_case(m, nq, nkv, rope, seed=7000 + 10 * m + i, residual=(m % 2 == 1))
                 kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

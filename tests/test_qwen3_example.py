@@ -42,6 +42,15 @@ def test_cpu_reference_backend_passes(example, capsys):
     assert "PASS" in out and "per-token decode latency" in out
 
 
+def test_cpu_batched_decode_passes(example):
+    """Three sequences of different prompt lengths decoding together (one op call of M = 3 per layer and
+    step, each token at its own position and slots): each sequence within the bound against the model."""
+    r = example.run([*TINY, "--steps", "4", "--no-latency", "--batch", "3"])
+    b = r["batch"]
+    assert r["passed"] and b["ok"] and b["lens"] == [20, 23, 26]
+    assert 0 < b["max"] <= b["bound"] and b["top1"] == 1.0
+
+
 def test_cpu_failed_bound_exits_nonzero(example):
     # the same run with every bound scaled to ~0: the (nonzero) logit error must fail it
     assert example.main([*TINY, "--steps", "4", "--no-latency", "--bound-scale", "1e-6"]) == 1
@@ -100,11 +109,12 @@ def test_torch_op_matches_reference(example, weights, kv):
     "weights,kv", [("bf16", "bf16"), ("nvfp4", "bf16"), ("bf16", "fp8")], ids=["bf16", "nvfp4", "fp8-cache"]
 )
 def test_gpu_loader_backend(example, gpu_bundle, weights, kv, capsys):
-    """4 layers, 16 steps through loader.flint_qkv_fused (eager and CUDA graph) against the model."""
+    """4 layers, 16 steps through loader.flint_qkv_fused (eager and CUDA graph) against the model, and 16
+    sequences decoding together (M = 16)."""
     # no --bundle: the example uses the bundle gpu_bundle loaded (a reload would unload the kernels that
     # other tests' graphs may hold)
     args = ["--backend", "loader", "--layers", "4", "--steps", "16", "--weights", weights, "--kv-cache", kv,
-            "--no-latency"]  # fmt: skip
+            "--no-latency", "--batch", "16"]  # fmt: skip
     r = example.run(args)
     assert str(gpu_bundle.path) in capsys.readouterr().out
     assert r["passed"], r["checks"]
@@ -112,3 +122,4 @@ def test_gpu_loader_backend(example, gpu_bundle, weights, kv, capsys):
         if c["bound"] is not None:
             assert c["max"] <= c["bound"], name
     assert r["comparisons"]["ours CUDA graph vs model"]["ok"]
+    assert r["batch"]["ok"] and len(r["batch"]["lens"]) == 16  # 16 sequences: the op at M = 16

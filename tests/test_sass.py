@@ -48,12 +48,10 @@ def _split(sass, expect=1):
 
 
 def _compile(kind, spec, arch):
-    import importlib
-
-    from flint_aot.kernels import MODULES
+    from flint_aot.kernels import kernel_class
     from loader.elf import read_cubin
 
-    c = importlib.import_module(MODULES[kind]).compile(spec, arch, "flint_t")
+    c = kernel_class(kind)(spec).compile(arch, "flint_t")
     (k,) = read_cubin(c.cubin).kernels.values()
     return c, k.registers
 
@@ -62,52 +60,59 @@ def _no_spills(sass):
     assert not any(re.search(r"\b(STL|LDL)\b", ln) for ln in sass), "local memory (spills)"
 
 
-GEMV_CASES = [("qkv", fmt, kv, norm) for fmt in ("bf16", "nvfp4") for norm in ("separate", "prologue")
-              for kv in ("bf16", "fp8_e4m3") if kv == "bf16" or norm == "prologue"] + [  # fmt: skip
-    ("gemv", "bf16", None, None), ("gemv", "nvfp4", None, None)]
+GEMV_CASES = [("qkv", fmt, kv, norm, tile) for fmt in ("bf16", "nvfp4") for norm in ("separate", "prologue")
+              for kv in ("bf16", "fp8_e4m3") for tile in (8, 16) if kv == "bf16" or norm == "prologue"] + [
+    ("gemv", fmt, None, None, tile) for fmt in ("bf16", "nvfp4") for tile in (8, 16)]  # fmt: skip
 
 
-# every case on sm_90a (the GPUs we run on); on sm_100a (built, never run here) one per kind and format
+# every case on sm_90a (the GPUs we run on); on sm_100a (built, never run here) one per kind, format and tile
 ARCH_CASES = [(*c, "sm_90a") for c in GEMV_CASES] + [
     (*c, "sm_100a") for c in GEMV_CASES if c[2] in (None, "bf16") and c[3] in (None, "separate")
 ]
 
 
-@pytest.mark.parametrize("kind,fmt,kv,norm,arch", ARCH_CASES)
-def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, arch):
+@pytest.mark.parametrize("kind,fmt,kv,norm,tile,arch", ARCH_CASES)
+def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
+    """Both token tiles: 8 (x fragments of one group of 8 tokens) and 16 (two groups; x of m tokens in
+    dynamic shared memory, the standalone GEMV copying it there by bulk copies)."""
     from loader import abi
 
     if kind == "qkv":
-        spec = abi.qkv_spec(fmt, True, 16, 2, kv, norm)
+        spec = abi.qkv_spec(fmt, True, 16, 2, kv, norm, tile)
     else:
-        spec = abi.gemv_spec(fmt)
+        spec = abi.gemv_spec(fmt, tile)
     c, regs = _compile(kind, spec, arch)
     sass = _sass(c.cubin, tmp_path)
-    before, after = _split(sass, 2 if kind == "qkv" else 1)
+    before, after = _split(sass, 2 if kind == "qkv" or tile == 16 else 1)
     weights = [ln for ln in sass if re.search(r"\bLDG\..*CONSTANT", ln)]
     assert all(ln in before for ln in weights) and not any("CONSTANT" in ln for ln in after)
     assert len(weights) == (32 if fmt == "bf16" else 16)  # 16 B each (BF16); 8 x 16 B codes + 8 x 4 B scales
     x_loads = [ln for ln in sass if re.search(r"\bLDG\.E\.128\b", ln) and "CONSTANT" not in ln]
     bulk = [ln for ln in sass if "UBLKCP" in ln and "MULTICAST" in ln]
+    groups = tile // 8  # of 8 tokens
     if norm == "separate":  # xn read once per cluster: one multicast bulk copy, after the copier's own wait
         assert len(bulk) == 1 and bulk[0] in after and not x_loads
-    elif norm == "prologue":  # each CTA reads its slice of x and the residual (4 warps x 2 tokens, with and
-        # without a residual: 2 + 1 loads each) and its norm weight (2 chunks), all after the wait; the slices
-        # go to the peers by st.async (7 x 16 B of r and one 4-byte sum per token, in both branches)
-        assert not bulk and len(x_loads) == 2 + 2 * 3 and all(ln in after for ln in x_loads)
-        assert sum(bool(re.search(r"\bSTAS\.128\b", ln)) for ln in after) == 2 * 2 * 7
-    if kind == "qkv":
-        assert sum(bool(re.search(r"\bLDS\.128\b", ln)) for ln in after) >= 16
-    else:
+    elif norm == "prologue":  # each CTA reads its slice of x and the residual (4 warps x 2 tokens per group
+        # of 8, with and without a residual: 2 + 1 loads each) and its norm weight (2 chunks), all after the
+        # wait; the slices go to the peers by st.async (7 x 16 B of r and one 4-byte sum per token, in both
+        # branches)
+        assert not bulk and len(x_loads) == 2 + 2 * 3 * groups and all(ln in after for ln in x_loads)
+        assert sum(bool(re.search(r"\bSTAS\.128\b", ln)) for ln in after) == 2 * 2 * 7 * groups
+    if kind == "qkv" or tile == 16:
+        assert sum(bool(re.search(r"\bLDS\.128\b", ln)) for ln in after) >= 16 * groups
+    if kind == "gemv" and tile == 16:  # x staged by one bulk copy per token, after the copier's own wait
+        copies = [ln for ln in sass if "UBLKCP" in ln]
+        assert len(copies) == 1 and copies[0] in after and not x_loads
+    elif kind == "gemv":
         assert len(x_loads) == 16 and all(ln in after for ln in x_loads), "x must be read after the wait"
     assert not any(re.search(r"\bLDG\.E\.64\b", ln) for ln in before), "positions / slots after the wait"
     if fmt == "nvfp4":
         # the e2m1 decode of 12 (qkv) / 8 (gemv) of each row's 16 code words before the wait, 8 HMUL2 each
         assert sum("HMUL2" in ln for ln in before) == (96 if kind == "qkv" else 64)
     _no_spills(sass)
-    # one wave (3 CTAs of 128 threads per SM) needs <= 168 registers; the standalone BF16 GEMV compiles to
-    # 172 on sm_100a (2 CTAs per SM there; not run: no Blackwell GPU)
-    assert regs <= (176 if (kind, fmt, arch) == ("gemv", "bf16", "sm_100a") else 168), regs
+    # one wave (3 CTAs of 128 threads per SM) needs <= 168 registers; the standalone 8-token BF16 GEMV
+    # compiles to 172 on sm_100a (2 CTAs per SM there; not run: no Blackwell GPU)
+    assert regs <= (176 if (kind, fmt, tile, arch) == ("gemv", "bf16", 8, "sm_100a") else 168), regs
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -18,8 +18,8 @@ for dev in ("cpu", "meta"):
     c = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in _qkv_inputs(2, 16, 2, "bf16", True,
                                                                                        "bf16").items()}
     qkv = torch.zeros(2, 20 * 128, dtype=torch.bfloat16, device=dev)
-    head = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache",
-                              "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads")}
+    head = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions",
+                              "k_cache", "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads")}
     x, r, w = c["x"], c["residual"], c["norm_weight"]
     calls = {"flint_qkv_fused": lambda: loader.flint_qkv_fused(**c),
              "rms_norm": lambda: loader.rms_norm(x, w, 1e-6),
@@ -129,31 +129,33 @@ def test_plans_are_kept_per_m_and_reused(monkeypatch):
 
 @needs_dsl
 def test_kernel_parameters_are_bound_by_name(monkeypatch):
-    """The values a kernel receives, parameter by parameter, in both designs: tensors' pointers under their
-    own names, the norm kernel's xn as the two-kernel qkv kernel's x, the shapes' integers, and placeholders
-    (0) for what a specialization does not read."""
+    """The values a kernel receives, parameter by parameter, in both designs and both token tiles: tensors'
+    pointers under their own names, the norm kernel's xn as the two-kernel qkv kernel's x, the shapes'
+    integers, placeholders (0) for what a specialization does not read, the grid from the manifest's rule,
+    and (tile 16) M rows of x in dynamic shared memory."""
     import loader
 
     dry = _DryRun(monkeypatch, _default_bundle_entries())
-    c = _qkv_inputs(3, 32, 4, "bf16", True, "bf16")
-    for design in ("prologue", "separate"):
+    for m, design in ((3, "prologue"), (3, "separate"), (12, "prologue"), (12, "separate")):
+        c = _qkv_inputs(m, 32, 4, "bf16", True, "bf16")
         dry.launched.clear()
         with loader.launch_options(design=design):
             q, r = loader.flint_qkv_fused(**c)
         *norm, (entry, a, grid) = dry.launched
-        assert entry.kind == "qkv" and grid == (40 * 8, 1, 1)
+        assert entry.kind == "qkv" and entry.spec["max_m"] == (8 if m <= 8 else 16)
+        assert grid == (40 * 8, 1, 1, 0 if m <= 8 else m * (2048 + 32) * 2)
         for name in ("weight", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "slot_mapping",
                      "k_cache", "v_cache"):  # fmt: skip
             assert a[name] == c[name].data_ptr(), name
         assert a["q"] == q.data_ptr() and a["weight_scale"] == a["global_scale"] == a["k_scale"] == 0
-        assert (a["m"], a["num_slot_mapping"], a["max_pos"], a["block_size"]) == (3, 3, 64, 16)
+        assert (a["m"], a["num_slot_mapping"], a["max_pos"], a["block_size"]) == (m, m, 64, 16)
         assert (a["stride_block"], a["stride_slot"], a["stride_head"]) == c["k_cache"].stride()[:3]
         if design == "prologue":
             assert not norm and a["x"] == c["x"].data_ptr() and a["residual"] == c["residual"].data_ptr()
             assert a["residual_out"] == r.data_ptr() and a["has_residual"] == 1
         else:
             (ne, na, ngrid), = norm
-            assert ne.kind == "norm" and ngrid == (3, 1, 1) and na["x"] == c["x"].data_ptr()
+            assert ne.kind == "norm" and ngrid == (m, 1, 1, 0) and na["x"] == c["x"].data_ptr()
             assert na["residual_out"] == r.data_ptr() and a["x"] == na["xn"] != c["x"].data_ptr()
             assert a["residual"] == a["residual_out"] == a["norm_weight"] == a["has_residual"] == 0
 

@@ -34,15 +34,17 @@ def test_every_anchor_is_found_once(tmp_path):
 
 
 @needs_dsl
+@pytest.mark.parametrize("tile", [8, 16])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt):
+def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt, tile):
     from tests.test_sass import _sass
 
     dst = _instrument(tmp_path)
     code = (
         "import sys; from loader import abi; from flint_aot.kernels import qkv, norm\n"
-        f"c = qkv.compile(abi.qkv_spec('{fmt}', True, 16, 2, 'bf16', 'separate'), 'sm_90a', 'flint_t')\n"
-        "n = norm.compile(abi.norm_spec(True), 'sm_90a', 'flint_n')\n"
+        f"spec = abi.qkv_spec('{fmt}', True, 16, 2, 'bf16', 'separate', {tile})\n"
+        "c = qkv.KERNEL(spec).compile('sm_90a', 'flint_t')\n"
+        "n = norm.KERNEL(abi.norm_spec(True)).compile('sm_90a', 'flint_n')\n"
         "open('q.cubin', 'wb').write(c.cubin); open('n.cubin', 'wb').write(n.cubin)\n"
         "print([p[0] for p in n.params])\n"
     )

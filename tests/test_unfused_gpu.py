@@ -29,7 +29,7 @@ def test_gemv_against_reference(gpu_bundle, fmt, n):
     import loader
 
     g = torch.Generator(device="cuda").manual_seed(n)
-    for m in (1, 3, 8):
+    for m in (1, 3, 8, 9, 16):
         x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
         w = (torch.randn(n, K, device="cuda", generator=g) * 0.03).bfloat16()
         if fmt == "bf16":
@@ -49,6 +49,24 @@ def test_gemv_against_reference(gpu_bundle, fmt, n):
         assert ((y.double() - ref).abs() <= ulp + 2.0**-13 * mag).all()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_gemv_tiles_agree(gpu_bundle, fmt):
+    """A token's sum does not depend on the token tile (docs/numerics.md §2): the rows of a call of M = 9..16
+    (the 16-token kernel) equal, bit for bit, the same rows computed in calls of M <= 8 (the 8-token
+    kernel)."""
+    import loader
+
+    g = torch.Generator(device="cuda").manual_seed(77)
+    w = (torch.randn(5120, K, device="cuda", generator=g) * 0.03).bfloat16()
+    args = (w,) if fmt == "bf16" else nvfp4.quantize(w)
+    for m in (9, 12, 16):
+        x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
+        big = loader.gemv(x, *args)
+        small = torch.cat([loader.gemv(x[i : i + 8], *args) for i in range(0, m, 8)])
+        torch.cuda.synchronize()
+        assert torch.equal(big.view(torch.int16), small.view(torch.int16)), f"M={m}"
+
+
 def test_gemv_bad_inputs(gpu_bundle):
     import loader
 
@@ -64,7 +82,7 @@ def test_gemv_bad_inputs(gpu_bundle):
     with pytest.raises(ValueError, match=r"weight_scale|global_scale"):
         loader.gemv(x, packed)
     with pytest.raises(ValueError, match=r"\b9\b|\bM\b"):
-        loader.gemv(torch.randn(9, K, device="cuda").bfloat16(), w[:32])
+        loader.gemv(torch.randn(17, K, device="cuda").bfloat16(), w[:32])
     y = loader.gemv(x, packed, scales, gs)  # the context is still healthy
     torch.cuda.synchronize()
     assert rel(y, gemv_ref(x, nvfp4.dequantize(packed, scales, gs))) < 1e-2
@@ -144,7 +162,7 @@ def test_fused_equals_unfused(gpu_bundle, fmt, capsys):
     assert vs
     differ = total = 0
     for i, (rope, (nq, nkv)) in enumerate(vs):
-        for m in (1, 4, 8):
+        for m in (1, 4, 8, 9, 12, 16):
             c = make_case(m, nq, nkv, rope, seed=900 + 10 * i + m, residual=(m != 4), fmt=fmt)
             u = {k: (v.clone() if k in ("k_cache", "v_cache") else v) for k, v in c.items()}
             kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
@@ -184,7 +202,7 @@ def test_fused_equals_unfused_fp8_cache(gpu_bundle, fmt, capsys):
     assert vs, f"the bundle has no {fmt} qkv kernels with an FP8 cache"
     differ = total = 0
     for i, (rope, (nq, nkv)) in enumerate(vs):
-        for m in (1, 4, 8):
+        for m in (1, 4, 8, 9, 12, 16):
             c = make_case(
                 m, nq, nkv, rope, seed=950 + 10 * i + m, residual=(m != 4), fmt=fmt, kv_dtype="fp8_e4m3"
             )

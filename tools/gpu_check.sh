@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
 python3 -m flint_aot.cli verify build/flint | tail -3
-timeout 400 python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -${PYTEST_TAIL:-25}
+timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=90 ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -${PYTEST_TAIL:-25}
 if [ "${WHEEL_CHECK:-1}" = 1 ]; then
   # The serving wheel as a serving image gets it: packed from build/flint, installed with --no-deps into a
   # plain venv that sees only this machine's torch and cuda-bindings (their site directories through a .pth

@@ -1,6 +1,7 @@
 """Fused qkv calls for compute-sanitizer (memcheck / racecheck / synccheck): both weight formats, both designs
 (the input norm in the qkv kernel's prologue, and the two-kernel design), BF16 and FP8 caches, with and
-without a residual, bad slots among them; then the unfused path (norm, gemv, qk_norm_rope_cache) once each.
+without a residual, M = 3, 8, 16 (both token tiles), bad slots among them; then the unfused path (norm, gemv,
+qk_norm_rope_cache) at M = 5 and 13.
 
     compute-sanitizer --tool racecheck --report-api-errors no python3 tools/sanitize_case.py
 """
@@ -15,17 +16,18 @@ for design in ("prologue", "separate"):
     with loader.launch_options(design=design):
         for fmt in ("bf16", "nvfp4"):
             for kv in ("bf16", "fp8_e4m3"):
-                for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8)):
-                    slots = torch.tensor([3, -1, 70][:m], device="cuda")
+                for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16)):
+                    slots = torch.tensor([3, -1, 70, 200, 9, -3, 11, 12, 40, 41, 42, 43, 44][:m], device="cuda")
                     c = op_args(make_case(m, nq, nkv, rope, seed=m, slots=slots, fmt=fmt, kv_dtype=kv))
                     q, r = loader.flint_qkv_fused(**c)
                     c["residual"] = None
                     q, r = loader.flint_qkv_fused(**c)
-c = op_args(make_case(5, 16, 2, True, seed=1, kv_dtype="fp8_e4m3"))
-xn, ro = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
-qkv = loader.gemv(xn, c["weight"])
 keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache", "v_cache",
         "slot_mapping", "num_q_heads", "num_kv_heads", "k_scale", "v_scale")  # fmt: skip
-q = loader.qk_norm_rope_cache(qkv, **{k: c[k] for k in keys})
+for m in (5, 13):  # the 8- and the 16-token GEMV
+    c = op_args(make_case(m, 16, 2, True, seed=1, kv_dtype="fp8_e4m3"))
+    xn, ro = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
+    qkv = loader.gemv(xn, c["weight"])
+    q = loader.qk_norm_rope_cache(qkv, **{k: c[k] for k in keys})
 torch.cuda.synchronize()
 print("sanitize case done")

@@ -78,27 +78,31 @@ PATCHES = [
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "        # per-token inputs of the epilogue,",
-        f"        _tl_store(tid, {_QKV_AT.format(2)}, _tl_time(wst['zero']))\n        # per-token inputs of the epilogue,",
+        "        if cutlass.const_expr(self.fp4):\n            self.activations(a, t, s)\n",
+        "        if cutlass.const_expr(self.fp4):\n            self.activations(a, t, s)\n"
+        f"        _tl_store(tid, {_QKV_AT.format(2)}, _tl_time(wst['zero']))\n",
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "        acc = core.row_sums(fp4, wst, core.SharedX(xs, xrow, mbx), m, tid)\n",
-        "        cute.arch.mbarrier_wait(mbx, 0)\n"
+        "        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), m, tid,\n"
+        "                             between=lambda: self.late_inputs(a, t, e))  # fmt: skip\n",
+        "        cute.arch.mbarrier_wait(s.mbx, 0)\n"
         f"        _tl_store(tid, {_QKV_AT.format(3)}, _tl_time(tz))\n"
-        "        acc = core.row_sums(fp4, wst, core.SharedX(xs, xrow, mbx), m, tid)\n"
-        f"        _tl_store(tid, {_QKV_AT.format(4)}, _tl_time(core.runtime_zero([device.f32_bits(acc)], m)))\n",
+        "        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), m, tid,\n"
+        "                             between=lambda: self.late_inputs(a, t, e))  # fmt: skip\n"
+        f"        _tl_store(tid, {_QKV_AT.format(4)}, _tl_time(core.runtime_zero([device.f32_bits(acc[0])], m)))\n",
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "            cute.arch.mbarrier_wait(mbar, 0)\n",
-        f"            cute.arch.mbarrier_wait(mbar, 0)\n            _tl_store(tid, {_QKV_AT.format(5)}, _tl_time(tz))\n",
+        "        cute.arch.mbarrier_wait(s.mbar, 0)\n",
+        "        cute.arch.mbarrier_wait(s.mbar, 0)\n        tid, v_scale, cta, m = t.tid, a.v_scale, t.cta, a.m\n"
+        f"        _tl_store(tid, {_QKV_AT.format(5)}, _tl_time(m >> 31))\n",
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "                    device.store_cache(k_cache, slot, *geom, head - nq, dim, yb, fp8, scale)\n",
-        "                    device.store_cache(k_cache, slot, *geom, head - nq, dim, yb, fp8, scale)\n"
-        f"        _tl_store(tid, {_QKV_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(acc)], m)))\n",
+        "        self.epilogue(a, t, s, e, h)\n",
+        "        self.epilogue(a, t, s, e, h)\n"
+        f"        _tl_store(tid, {_QKV_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(acc[0])], m)))\n",
     ),
     (
         "flint_aot/kernels/norm.py",

@@ -1,12 +1,13 @@
 """Kernel registry: one module per kernel kind, named after it (norm, qkv, gemv, qk_norm_rope_cache), each
-exposing `compile(spec, arch, entry_prefix) -> compile.Compiled`; device helpers several kernels share live in
-`device` (generic) and `gemv_core` (the CTA GEMV), the compile plumbing in `compile`. Importing this package
-does not import the DSL: kernel modules are imported only inside the compile subprocess
-(`flint_aot.compile_one`)."""
+exposing its kernel class as `KERNEL` (a compile.Kernel: `KERNEL(spec).compile(arch, entry_prefix) ->
+compile.Compiled`); device helpers several kernels share live in `device` (generic) and `gemv_core` (the CTA
+GEMV), the compile plumbing in `compile`. Importing this package does not import the DSL: kernel modules are
+imported only inside the compile subprocess (`flint_aot.compile_one`) and by `kernel_class`."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -19,6 +20,11 @@ _DIR = Path(__file__).resolve().parent
 
 # Specializations the config may ask for but this version cannot compile yet.
 _NOT_YET: set[tuple[str, str, object]] = set()
+
+
+def kernel_class(kind: str):
+    """The kernel class of a kind (imports the DSL)."""
+    return importlib.import_module(MODULES[kind]).KERNEL
 
 
 def implemented(kind: str, spec: dict) -> bool:

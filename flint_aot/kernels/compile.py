@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
-from loader.abi import GRID
+from loader.abi import GRID, MAX_M
 
 _C_TYPE = {cute.Pointer: "ptr", Int32: "i32", Int64: "i64", Float32: "f32"}
 
@@ -32,6 +32,28 @@ class Compiled:
     cluster: tuple
     grid: tuple
     dyn_smem: int
+    dyn_smem_per_m: int = 0
+
+
+class Kernel:
+    """A kernel kind's specialization: its compile-time configuration set once, in __init__(spec), from the
+    spec; `kernel` (a @cute.kernel method) is the flat parameter list the manifest records."""
+
+    kind = ""
+    block: tuple = (128, 1, 1)
+    cluster: tuple = (1, 1, 1)
+    dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
+    min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
+
+    def ptr_types(self) -> dict:
+        """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
+        return {}
+
+    def compile(self, arch: str, entry_prefix: str) -> Compiled:
+        return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
+                              block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
+                              dyn_smem_per_m=self.dyn_smem_per_m,
+                              min_ctas_per_sm=self.min_ctas_per_sm)  # fmt: skip
 
 
 def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
@@ -65,16 +87,20 @@ def _placeholders(params, ptr_types: dict):
 
 
 def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tuple, cluster=(1, 1, 1),
-                   dyn_smem: int = 0, ptr_types: dict | None = None) -> Compiled:  # fmt: skip
+                   dyn_smem: int = 0, dyn_smem_per_m: int = 0, ptr_types: dict | None = None,
+                   min_ctas_per_sm: int = 0) -> Compiled:  # fmt: skip
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
-    cubin as .reqntid), cluster and dynamic shared memory (launch attributes) and the kind's grid rule."""
+    cubin as .reqntid), cluster and dynamic shared memory (launch attributes: dyn_smem + M x dyn_smem_per_m
+    bytes) and the kind's grid rule."""
     kernel.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
     params = kernel_params(kernel, ptr_types)
     launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
     if cluster != (1, 1, 1):
         launch["cluster"] = list(cluster)
-    if dyn_smem:
-        launch["smem"] = dyn_smem
+    if dyn_smem or dyn_smem_per_m:
+        launch["smem"] = dyn_smem + MAX_M * dyn_smem_per_m
+    if min_ctas_per_sm:  # .minnctapersm: ptxas keeps the registers within what this many CTAs per SM leave
+        launch.update(min_blocks_per_mp=min_ctas_per_sm, preferred_smem_carveout=-1)
 
     @cute.jit
     def host(*args):
@@ -90,4 +116,5 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     names = list(c.kernel_info)
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
-    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem)
+    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem,
+                    dyn_smem_per_m)  # fmt: skip

@@ -25,6 +25,11 @@ def at(ptr, idx):
     return cute.make_tensor(ptr + idx, cute.make_layout(1))
 
 
+def put(ptr, idx, val):
+    """ptr[idx] = val."""
+    at(ptr, idx)[0] = val
+
+
 def load_vec(ptr, n):
     """n contiguous elements at a 16-byte aligned pointer, as a TensorSSA (plain ld.global, never .nc:
     ptxas may move .nc loads across griddepcontrol.wait)."""
@@ -123,7 +128,16 @@ def store_cache(cache, slot, nslots, bs, s0, s1, s2, kvh, dim, val, fp8: cutlass
             at(cache, off)[0] = val
 
 
-# ----------------------------------------------------------------------------- cluster
+# ----------------------------------------------------------------------------- bulk copies
+def bulk_copy(dst, src, mbar, nbytes: int):
+    """nbytes global -> this CTA's shared memory at dst (one bulk copy), completing on the mbarrier mbar."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+        f" [{{$r0}}], [{{$r1}}], {nbytes}, [{{$r2}}];",
+        read_only_args=[dst, src, mbar],
+    )
+
+
 def bulk_multicast(dst, src, mbar, nbytes: int):
     """nbytes global -> the same shared-memory offset in all 8 CTAs of the cluster (one L2 read),
     completing on each CTA's mbarrier at mbar's offset."""

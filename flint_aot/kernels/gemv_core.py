@@ -1,6 +1,6 @@
-"""The GEMV of one CTA, shared by the fused qkv kernel and the standalone GEMV kernel: 16 output rows per
-CTA of 128 threads, all M <= 8 tokens, fp32 accumulation on tensor cores (mma.sync m16n8k16, bf16 in,
-fp32 out).
+"""The GEMV of one CTA (`CtaGemv`), shared by the fused qkv kernel and the standalone GEMV kernel: 16 output
+rows per CTA of 128 threads, all M tokens of a compile-time token tile (8 or 16: one or two groups of 8
+tokens, each an mma.sync N of 8), fp32 accumulation on tensor cores (mma.sync m16n8k16, bf16 in, fp32 out).
 
 K split and summation order (fixed, so every kernel built on it rounds the same sums):
 * warp w owns k in [512 w, 512 w + 512) as 16 blocks of 32; in block b, lane (g, t) = (lane / 4, lane % 4)
@@ -9,6 +9,9 @@ K split and summation order (fixed, so every kernel built on it rounds the same 
   and B, so the dot product is unchanged).
 * each warp accumulates its 32 mma in one chain per 16-wide half (acc[b % 2]) in block order, adds the two
   chains, and the four warps' partial sums are added in warp order 0, 1, 2, 3 through shared memory.
+* tokens 8..15 (tile 16) are a second group: the same weight fragments, the MMAs of the two groups
+  interleaved, each group's chains exactly those of the first. A token's sum is the same whatever the
+  tile, so a tile-8 and a tile-16 kernel give the same bits.
 """
 
 from __future__ import annotations
@@ -101,6 +104,11 @@ def _x_loads(x, tok, ks):
     return [ld_act(xa + k) for k in ks]
 
 
+def _x_load(x, tok, k):
+    """One 16-byte x fragment (shared memory: after SharedX.ready())."""
+    return x.load(tok, k) if isinstance(x, SharedX) else ld_act(x + (tok * K + k))
+
+
 def runtime_zero(regs, m):
     """An Int32 that is 0 at run time (m >= 1) but depends on every register in regs, so ptxas must issue
     every load before anything that uses it (it otherwise sinks loads next to their use, and may move
@@ -111,40 +119,53 @@ def runtime_zero(regs, m):
     return f & (m >> 31)
 
 
-def mma_partials(A, x, m, tid, zero):
-    """This warp's partial sums for its K quarter: [d0, d1, d2, d3] with d0/d1 = (row g, tokens 2t, 2t+1),
-    d2/d3 = (row g + 8, tokens 2t, 2t+1). A from issue_weight_loads; x bf16 [m, K] (tokens >= m read token
-    m - 1; their columns are never stored)."""
+def mma_partials(A, x, m, tid, zero, groups: int = 1):
+    """This warp's partial sums for its K quarter, per group of 8 tokens: [d0, d1, d2, d3] with d0/d1 = (row
+    g, tokens 8 i + 2t, +1), d2/d3 = (row g + 8, the same tokens). A from issue_weight_loads; x bf16 [m, K]
+    (tokens >= m read token m - 1; their columns are never stored)."""
     warp, _, g, t = lanes(tid)
-    tok = cutlass.min(g, m - 1)
-    X = _x_loads(x, tok, [warp * (NB * 32) + t * 8 + b * 32 for b in range(NB)])
+    toks = [cutlass.min(g + 8 * i if i else g, m - 1) for i in range(groups)]
+    ks = [warp * (NB * 32) + t * 8 + b * 32 for b in range(NB)]
+    if groups == 1:
+        X = [_x_loads(x, toks[0], ks)]
+    else:  # each block's fragments loaded where they are used: ptxas would hoist them all, and spill
+        X = None
+        if isinstance(x, SharedX):
+            x.ready()
     z = as_f32(zero)
-    acc = [[z, z, z, z], [z, z, z, z]]
+    acc = [[[z, z, z, z], [z, z, z, z]] for _ in range(groups)]
     for b in range(NB):
         lo, hi = A[b]
+        xb = [Xi[b] for Xi in X] if X else [_x_load(x, tok, ks[b]) for tok in toks]
         for j in range(2):
-            c = acc[j]
-            acc[j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),
-                                   (X[b][2 * j], X[b][2 * j + 1]), c))  # fmt: skip
-    return [acc[0][i] + acc[1][i] for i in range(4)]
+            for i in range(groups):
+                acc[i][j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),
+                                          (xb[i][2 * j], xb[i][2 * j + 1]), acc[i][j]))  # fmt: skip
+    return [[a[0][i] + a[1][i] for i in range(4)] for a in acc]
 
 
-def reduce_rows(d, tid, red):
-    """Cross-warp sum in warp order. red: smem fp32 tensor of WARPS*ROWS*8. After the call (it syncs the CTA)
-    thread i < ROWS*8 gets the full sum for row i % 16, token i // 16."""
+def reduce_rows(d, tid, red, tile: int = 8):
+    """Cross-warp sum in warp order. d: mma_partials' groups; red: smem fp32 tensor of WARPS*ROWS*tile. After
+    the call (it syncs the CTA) thread i gets the full sums for row i % 16 and tokens i // 16 + 8 j, one per
+    group j."""
     warp, _, g, t = lanes(tid)
-    base = warp * (ROWS * 8) + g * 8 + 2 * t
-    red[base] = d[0]
-    red[base + 1] = d[1]
-    red[base + 64] = d[2]
-    red[base + 65] = d[3]
+    base0 = warp * (ROWS * tile) + g * tile + 2 * t
+    for i, di in enumerate(d):
+        base = base0 + 8 * i if i else base0
+        red[base] = di[0]
+        red[base + 1] = di[1]
+        red[base + 8 * tile] = di[2]
+        red[base + 8 * tile + 1] = di[3]
     cute.arch.sync_threads()
     r = tid % ROWS
-    tk = tid // ROWS
-    s = red[r * 8 + tk]
-    for q in range(1, WARPS):
-        s = s + red[q * (ROWS * 8) + r * 8 + tk]
-    return s
+    out = []
+    for i in range(len(d)):
+        tk = tid // ROWS + 8 * i if i else tid // ROWS
+        s = red[r * tile + tk]
+        for q in range(1, WARPS):
+            s = s + red[q * (ROWS * tile) + r * tile + tk]
+        out.append(s)
+    return out
 
 
 # ----------------------------------------------------------------------------- NVFP4 weights
@@ -256,28 +277,34 @@ def fp4_decode_rows(codes, scales, words, tid):
     return out
 
 
-def fp4_mma_partials(D, x, m, tid):
+def fp4_mma_partials(D, x, m, tid, groups: int = 1):
     """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words).
     The x loads are fenced: every one is issued right after the wait, before the first MMA."""
     warp, _, g, t = lanes(tid)
-    tok = cutlass.min(g, m - 1)
     ks = [warp * (K // WARPS) + t * 32 + 128 * (i // 4) + 8 * (i % 4) for i in range(FP4_WORDS)]
-    X = _x_loads(x, tok, ks)
+    toks = [cutlass.min(g + 8 * j if j else g, m - 1) for j in range(groups)]
+    if groups == 1 or not isinstance(x, SharedX):
+        X = [_x_loads(x, tok, ks) for tok in toks]
+    else:  # each word's fragments loaded where they are used (as mma_partials)
+        X = None
+        x.ready()
     if isinstance(x, SharedX):
         z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)
     else:
         flat = []
-        for v in X:
+        for v in [v for Xj in X for v in Xj]:
             flat.extend(v)
-        z = as_f32(runtime_zero(flat, m))  # all 16 global x loads issued at once, before the first MMA
-    acc = [[z, z, z, z], [z, z, z, z]]
+        z = as_f32(runtime_zero(flat, m))  # all global x loads issued at once, before the first MMA
+    acc = [[[z, z, z, z], [z, z, z, z]] for _ in range(groups)]
     for i in range(FP4_WORDS):
-        xp = fp4_x_pairs(X[i])
+        xw = [Xj[i] for Xj in X] if X else [x.load(tok, ks[i]) for tok in toks]
+        xp = [fp4_x_pairs(v) for v in xw]
         a, b = D[0][i], D[1][i]
         for h in range(2):
-            acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
-                                   (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
-    return [acc[0][i] + acc[1][i] for i in range(4)]
+            for j in range(groups):
+                acc[j][h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
+                                          (xp[j][2 * h], xp[j][2 * h + 1]), acc[j][h]))  # fmt: skip
+    return [[c[0][i] + c[1][i] for i in range(4)] for c in acc]
 
 
 # ----------------------------------------------------------------------------- the GEMV of one CTA
@@ -319,18 +346,61 @@ def guarded_wait(zero: Int32):
         cute.arch.griddepcontrol_wait()
 
 
-def row_sums(fp4: bool, st, x, m, tid):
-    """The GEMV of this CTA's 16 rows for all tokens, after weights_then_wait: thread tid gets the fp32
-    sum (times the global scale for NVFP4) of row tid % 16, token tid // 16 (syncs the CTA)."""
+def row_sums(fp4: bool, st, x, m, tid, tile: int = 8):
+    """The GEMV of this CTA's 16 rows for all tokens of the tile, after weights_then_wait: thread tid gets the
+    fp32 sums (times the global scale for NVFP4) of row tid % 16, tokens tid // 16 + 8 j, one per group j of
+    8 tokens (syncs the CTA)."""
+    return reduce_sums(fp4, st, partial_sums(fp4, st, x, m, tid, tile // 8), tid, tile)
+
+
+def partial_sums(fp4: bool, st, x, m, tid, groups: int):
+    """This warp's MMAs (mma_partials / fp4_mma_partials, the rest of the NVFP4 decode first)."""
+    if fp4 and groups > 1:  # the rest of the decode word by word in the MMA loop: fewer registers live
+        D = [_LazyWords(st["D"][r], st["codes"], st["scw"], r, tid) for r in range(2)]
+        return fp4_mma_partials(D, x, m, tid, groups)
     if fp4:
         rest = fp4_decode_rows(st["codes"], st["scw"], range(st["pre"], FP4_WORDS), tid)
-        d = fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid)
-    else:
-        d = mma_partials(st["A"], x, m, tid, st["zero"])
-    red = cute.make_tensor(
-        cute.arch.alloc_smem(Float32, WARPS * ROWS * 8, alignment=16), cute.make_layout(WARPS * ROWS * 8)
-    )
-    s = reduce_rows(d, tid, red)
+        return fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid, groups)
+    return mma_partials(st["A"], x, m, tid, st["zero"], groups)
+
+
+class _LazyWords:
+    """Decoded code words of one row: those decoded before the wait, the others decoded when first read."""
+
+    def __init__(self, done, codes, scw, row, tid):
+        self.done, self.codes, self.scw, self.row, self.tid = dict(done), codes, scw, row, tid
+
+    def __getitem__(self, i):
+        if i not in self.done:
+            scale = fp4_scale_pair(self.scw[self.row][i // 4], self.tid)[(i % 4) // 2]
+            self.done[i] = fp4_decode(self.codes[self.row][i], scale)
+        return self.done[i]
+
+
+def reduce_sums(fp4: bool, st, d, tid, tile: int):
+    """The four warps' partial sums added (reduce_rows), times the global scale for NVFP4."""
+    red = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * ROWS * tile, alignment=16),
+                           cute.make_layout(WARPS * ROWS * tile))  # fmt: skip
+    s = reduce_rows(d, tid, red, tile)
     if fp4:
-        s = s * st["gs"]
+        s = [v * st["gs"] for v in s]
     return s
+
+
+class CtaGemv:
+    """The GEMV of one CTA for one weight format and token tile: `start` issues the weight slice and waits for
+    the predecessor (weights_then_wait), `sums` computes the rows (row_sums)."""
+
+    def __init__(self, fp4: bool, tile: int, pre: int):
+        self.fp4, self.tile, self.pre = fp4, tile, pre
+
+    def start(self, w, wsc, gsc, row0, tid, m, issued=None):
+        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
+
+    def sums(self, st, x, m, tid, between=None):
+        """row_sums; between(), if given, runs after this thread's MMAs, before the warps' sums are added
+        (when the weight registers are free)."""
+        d = partial_sums(self.fp4, st, x, m, tid, self.tile // 8)
+        if between is not None:
+            between()
+        return reduce_sums(self.fp4, st, d, tid, self.tile)

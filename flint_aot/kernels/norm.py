@@ -14,19 +14,27 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from flint_aot.kernels import device
-from flint_aot.kernels.compile import compile_kernel
+from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.device import NORM_CHUNKS, NORM_VEC, NORM_WARPS
 from loader.abi import HIDDEN
 
 THREADS = NORM_CHUNKS  # one thread per 8-element chunk
 
 
-def make_kernel(with_residual: bool, spin: int = 0):
-    """spin > 0 builds a debug kernel that busy-waits `spin` clock cycles before writing its outputs
-    (a slow producer, used to prove that a dependent kernel waits for it)."""
+class NormKernel(Kernel):
+    """The input norm of one specialization: residual on/off (and a debug build's spin), set once."""
+
+    kind, block = "norm", (THREADS, 1, 1)
+
+    def __init__(self, spec: dict):
+        self.residual = bool(spec["residual"])
+        # > 0: a debug kernel that busy-waits this many clock cycles before writing its outputs (a slow
+        # producer, used to prove that a dependent kernel waits for it)
+        self.spin = int(spec.get("debug_spin_cycles", 0))
 
     @cute.kernel
-    def norm(
+    def kernel(
+        self,
         x: cute.Pointer,
         residual: cute.Pointer,
         residual_out: cute.Pointer,
@@ -41,7 +49,7 @@ def make_kernel(with_residual: bool, spin: int = 0):
         off = cute.assume(row * HIDDEN + tid * NORM_VEC, divby=NORM_VEC)
         w = device.load_vec(weight + tid * NORM_VEC, NORM_VEC)  # a model constant: read before the wait
         cute.arch.griddepcontrol_wait()
-        res = device.load_vec(residual + off, NORM_VEC) if cutlass.const_expr(with_residual) else None
+        res = device.load_vec(residual + off, NORM_VEC) if cutlass.const_expr(self.residual) else None
         r, ss = device.norm_residual(device.load_vec(x + off, NORM_VEC), res)
         ss = cute.arch.warp_reduction_sum(ss)
         red = cute.make_tensor(cute.arch.alloc_smem(Float32, NORM_WARPS, alignment=16),
@@ -50,25 +58,11 @@ def make_kernel(with_residual: bool, spin: int = 0):
             red[warp] = ss
         cute.arch.sync_threads()
         y = device.norm_apply(r, device.norm_scale([red[i] for i in range(NORM_WARPS)], eps), w)
-        if cutlass.const_expr(spin > 0):
-            device.spin_cycles(spin)
+        if cutlass.const_expr(self.spin > 0):
+            device.spin_cycles(self.spin)
         device.store_vec(xn + off, y, NORM_VEC)
-        if cutlass.const_expr(with_residual):
+        if cutlass.const_expr(self.residual):
             device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)
 
-    return norm
 
-
-def kernel(spec: dict):
-    return make_kernel(bool(spec["residual"]), int(spec.get("debug_spin_cycles", 0)))
-
-
-def ptr_types(spec: dict) -> dict:
-    """Every pointer is bf16, 16-byte aligned (compile_kernel's default)."""
-    return {}
-
-
-def compile(spec: dict, arch: str, entry_prefix: str):
-    return compile_kernel(
-        kernel(spec), kind="norm", arch=arch, entry_prefix=entry_prefix, block=(THREADS, 1, 1)
-    )
+KERNEL = NormKernel

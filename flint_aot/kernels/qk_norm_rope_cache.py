@@ -2,8 +2,9 @@
 docs/numerics.md §3-§4)
 on a bf16 qkv [M, N] (the standalone GEMV's output).
 
-One CTA of 128 threads (thread = dim) per head, q heads then k heads then v heads; all M tokens at once
-(loads of every token first, one reduction round, one RoPE exchange). Same numerics as the fused kernel's
+One CTA of 128 threads (thread = dim) per head, q heads then k heads then v heads; all M <= 16 tokens at
+once (loads of every token first, one reduction round, one RoPE exchange; the work of tokens >= M is
+skipped by uniform branches). Same numerics as the fused kernel's
 epilogue (device.rotate, device.store_cache) except the order of the per-head sum of squares (here: warp
 butterflies, then warps 0..3), so q/k may differ from the fused op by one bf16 ulp; v is copied unchanged
 (bit-identical), and an FP8 cache gets the same bytes from the same bf16 values. Memory safety as the fused
@@ -11,123 +12,146 @@ kernel. PDL: releases its dependents at entry, reads the norm weights, then wait
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from flint_aot.kernels import device
-from flint_aot.kernels.compile import compile_kernel
+from flint_aot.kernels.compile import Kernel
 from loader.abi import HEAD_DIM, MAX_M
 
 THREADS = HEAD_DIM
 WARPS = THREADS // 32
 
 
-def make_kernel(rope: bool, fp8: bool):
+class QkNormRopeCacheKernel(Kernel):
+    """The standalone per-head stage of one specialization: RoPE on/off and the cache dtype, set once."""
+
+    kind, block = "qk_norm_rope_cache", (THREADS, 1, 1)
+
+    def __init__(self, spec: dict):
+        self.rope = bool(spec["rope"])
+        self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
+
     @cute.kernel
-    def qk_norm_rope_cache(
-        qkv: cute.Pointer, q_norm_weight: cute.Pointer, k_norm_weight: cute.Pointer,
+    def kernel(
+        self, qkv: cute.Pointer, q_norm_weight: cute.Pointer, k_norm_weight: cute.Pointer,
         cos_sin_cache: cute.Pointer, positions: cute.Pointer, slot_mapping: cute.Pointer, q: cute.Pointer,
         k_cache: cute.Pointer, v_cache: cute.Pointer, k_scale: cute.Pointer, v_scale: cute.Pointer,
         m: Int32, num_q_heads: Int32, num_kv_heads: Int32, num_slot_mapping: Int32, max_pos: Int32,
         block_size: Int32, num_cache_slots: Int64, stride_block: Int64, stride_slot: Int64,
         stride_head: Int64, qk_eps: Float32,
     ):  # fmt: skip
+        a = SimpleNamespace(**{k: v for k, v in locals().items() if k != "self"})  # the parameters, by name
         dim, _, _ = cute.arch.thread_idx()
         head, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
-        nq, nkv = num_q_heads, num_kv_heads
-        warp = dim // 32
-        n = (nq + 2 * nkv) * HEAD_DIM
         qw = cute.make_tensor(q_norm_weight, cute.make_layout(HEAD_DIM))
         kw = cute.make_tensor(k_norm_weight, cute.make_layout(HEAD_DIM))
-        wn = Float32(cutlass.select_(head < nq, qw[dim].to(Float32), kw[dim].to(Float32)))
+        wn = Float32(cutlass.select_(head < num_q_heads, qw[dim].to(Float32), kw[dim].to(Float32)))
         red = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * MAX_M, alignment=16),
                                cute.make_layout(WARPS * MAX_M))  # fmt: skip
         yb = cute.make_tensor(cute.arch.alloc_smem(Float32, MAX_M * HEAD_DIM, alignment=16),
                               cute.make_layout(MAX_M * HEAD_DIM))  # fmt: skip
-        st = cute.make_tensor(slot_mapping, cute.make_layout(MAX_M))
-        pt = cute.make_tensor(positions, cute.make_layout(MAX_M))
         cute.arch.griddepcontrol_wait()
-        # every load of every token first (tokens >= m read token m - 1 and are never stored), so the
-        # latencies overlap; then one reduction round and one exchange for all tokens
-        xh = qkv + head * HEAD_DIM
-        hs = [cute.make_tensor(xh + cutlass.min(t, m - 1) * n, cute.make_layout(HEAD_DIM))[dim]
-              for t in range(MAX_M)]  # fmt: skip
+        t = SimpleNamespace(dim=dim, head=head, warp=dim // 32)
+        x = self.loads(a, t)
+        if head >= num_q_heads + num_kv_heads:
+            self.v_head(a, t, x)
+        else:
+            self.qk_head(a, t, x, wn, red, yb)
+
+    @cute.jit
+    def loads(self, a, t):
+        """Every token's value of this dim, slot and (FP8) scales first (tokens >= m read token m - 1 and are
+        never stored), so the latencies overlap."""
+        n = (a.num_q_heads + 2 * a.num_kv_heads) * HEAD_DIM
+        st = cute.make_tensor(a.slot_mapping, cute.make_layout(MAX_M))
+        xh = a.qkv + t.head * HEAD_DIM
+        hs = [cute.make_tensor(xh + cutlass.min(tok, a.m - 1) * n, cute.make_layout(HEAD_DIM))[t.dim]
+              for tok in range(MAX_M)]  # fmt: skip
         sl = []
-        for t in cutlass.range_constexpr(MAX_M):
+        for tok in cutlass.range_constexpr(MAX_M):
             slot = Int64(-1)
-            if t < num_slot_mapping:
-                slot = st[t]
+            if tok < a.num_slot_mapping:
+                slot = st[tok]
             sl.append(slot)
         ks = Float32(1.0)
         vs = Float32(1.0)
-        if cutlass.const_expr(fp8):
-            ks = device.at(k_scale, 0)[0]
-            vs = device.at(v_scale, 0)[0]
-        geom = (num_cache_slots, block_size, stride_block, stride_slot, stride_head)
-        if head >= nq + nkv:
-            for t in cutlass.range_constexpr(MAX_M):
-                if t < m:
-                    device.store_cache(v_cache, sl[t], *geom, head - (nq + nkv), dim, hs[t], fp8, vs)
-        else:
-            oks, cos, sins = [], [], []
-            if cutlass.const_expr(rope):
-                for t in cutlass.range_constexpr(MAX_M):
-                    ok, c, sn = device.rope_coeffs(cos_sin_cache, pt[cutlass.min(t, m - 1)], max_pos, dim)
-                    oks.append(ok)
-                    cos.append(c)
-                    sins.append(sn)
-            hv = [h.to(Float32) for h in hs]
-            # the work of tokens >= m is skipped (uniform branches): at M = 1 this kernel's tail is one token
-            for t in cutlass.range_constexpr(MAX_M):
-                if t < m:
-                    ss = cute.arch.warp_reduction_sum(hv[t] * hv[t])
-                    if dim % 32 == 0:
-                        red[warp * MAX_M + t] = ss
+        if cutlass.const_expr(self.fp8):
+            ks = device.at(a.k_scale, 0)[0]
+            vs = device.at(a.v_scale, 0)[0]
+        return SimpleNamespace(h=hs, slot=sl, k_scale=ks, v_scale=vs)
+
+    def geometry(self, a):
+        return a.num_cache_slots, a.block_size, a.stride_block, a.stride_slot, a.stride_head
+
+    @cute.jit
+    def v_head(self, a, t, x):
+        """v: the bf16 values copied to the cache unchanged."""
+        for tok in cutlass.range_constexpr(MAX_M):
+            if tok < a.m:
+                device.store_cache(a.v_cache, x.slot[tok], *self.geometry(a), t.head - (a.num_q_heads +
+                                   a.num_kv_heads), t.dim, x.h[tok], self.fp8, x.v_scale)  # fmt: skip
+
+    @cute.jit
+    def qk_head(self, a, t, x, wn, red, yb):
+        """q/k: per token the head's sum of squares (warp butterflies, then warps 0..3 in order), the RMSNorm,
+        NeoX RoPE with the partner dim through shared memory, one bf16 rounding; q stored or k cached."""
+        oks, cos, sins = [], [], []
+        if cutlass.const_expr(self.rope):
+            pt = cute.make_tensor(a.positions, cute.make_layout(MAX_M))
+            for tok in cutlass.range_constexpr(MAX_M):
+                ok, c, sn = device.rope_coeffs(a.cos_sin_cache, pt[cutlass.min(tok, a.m - 1)], a.max_pos,
+                                               t.dim)  # fmt: skip
+                oks.append(ok)
+                cos.append(c)
+                sins.append(sn)
+        hv = [h.to(Float32) for h in x.h]
+        for tok in cutlass.range_constexpr(MAX_M):
+            if tok < a.m:
+                ss = cute.arch.warp_reduction_sum(hv[tok] * hv[tok])
+                if t.dim % 32 == 0:
+                    red[t.warp * MAX_M + tok] = ss
+        cute.arch.sync_threads()
+        ys = []
+        for tok in cutlass.range_constexpr(MAX_M):
+            y = Float32(0.0)
+            if tok < a.m:
+                tot = red[tok]
+                for j in cutlass.range_constexpr(1, WARPS):
+                    tot = tot + red[j * MAX_M + tok]
+                inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+                y = hv[tok] * inv * wn
+                if cutlass.const_expr(self.rope):
+                    yb[tok * HEAD_DIM + t.dim] = y
+            ys.append(y)
+        if cutlass.const_expr(self.rope):
             cute.arch.sync_threads()
-            ys = []
-            for t in cutlass.range_constexpr(MAX_M):
-                y = Float32(0.0)
-                if t < m:
-                    tot = red[t]
-                    for j in cutlass.range_constexpr(1, WARPS):
-                        tot = tot + red[j * MAX_M + t]
-                    inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + qk_eps)
-                    y = hv[t] * inv * wn
-                    if cutlass.const_expr(rope):
-                        yb[t * HEAD_DIM + dim] = y
-                ys.append(y)
-            if cutlass.const_expr(rope):
-                cute.arch.sync_threads()
-                for t in cutlass.range_constexpr(MAX_M):
-                    y = ys[t]
-                    if t < m:
-                        y = device.rotate(ys[t], yb[t * HEAD_DIM + (dim ^ (HEAD_DIM // 2))], oks[t], cos[t],
-                                          sins[t], dim)  # fmt: skip
-                    ys[t] = y
-            for t in cutlass.range_constexpr(MAX_M):
-                if t < m:
-                    yt = ys[t].to(BFloat16)
-                    if head < nq:
-                        device.at(q, t * (nq * HEAD_DIM) + head * HEAD_DIM + dim)[0] = yt
-                    else:
-                        device.store_cache(k_cache, sl[t], *geom, head - nq, dim, yt, fp8, ks)
+            for tok in cutlass.range_constexpr(MAX_M):
+                y = ys[tok]
+                if tok < a.m:
+                    y = device.rotate(ys[tok], yb[tok * HEAD_DIM + (t.dim ^ (HEAD_DIM // 2))], oks[tok],
+                                      cos[tok], sins[tok], t.dim)  # fmt: skip
+                ys[tok] = y
+        nq = a.num_q_heads
+        for tok in cutlass.range_constexpr(MAX_M):
+            if tok < a.m:
+                yt = ys[tok].to(BFloat16)
+                if t.head < nq:
+                    device.put(a.q, tok * (nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yt)
+                else:
+                    device.store_cache(a.k_cache, x.slot[tok], *self.geometry(a), t.head - nq, t.dim, yt,
+                                       self.fp8, x.k_scale)  # fmt: skip
 
-    return qk_norm_rope_cache
+    def ptr_types(self) -> dict:
+        """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
+        cache = (cutlass.Uint8, 1) if self.fp8 else (BFloat16, 2)
+        return {"cos_sin_cache": (Float32, 16), "positions": (Int64, 8), "slot_mapping": (Int64, 8),
+                "k_cache": cache, "v_cache": cache, "k_scale": (Float32, 4),
+                "v_scale": (Float32, 4)}  # fmt: skip
 
 
-def kernel(spec: dict):
-    return make_kernel(bool(spec["rope"]), spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3")
-
-
-def ptr_types(spec: dict) -> dict:
-    """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
-    cache = (cutlass.Uint8, 1) if spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3" else (BFloat16, 2)
-    return {"cos_sin_cache": (Float32, 16), "positions": (Int64, 8), "slot_mapping": (Int64, 8),
-            "k_cache": cache, "v_cache": cache, "k_scale": (Float32, 4), "v_scale": (Float32, 4)}  # fmt: skip
-
-
-def compile(spec: dict, arch: str, entry_prefix: str):
-    return compile_kernel(kernel(spec), kind="qk_norm_rope_cache", arch=arch, entry_prefix=entry_prefix,
-                          block=(THREADS, 1, 1), ptr_types=ptr_types(spec))  # fmt: skip
+KERNEL = QkNormRopeCacheKernel
