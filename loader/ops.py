@@ -47,6 +47,11 @@ def _launcher(dev: int, kind: str, key, spec_of) -> runtime.Launcher:
     return runtime.launcher(dev, kind, key, spec_of)
 
 
+def _also(renames: dict, **params) -> dict:
+    """renames (the call's repeated roles) plus a kernel's own: parameter -> the call's value of that name."""
+    return {**renames, **{p: renames.get(name, name) for p, name in params.items()}}
+
+
 def _out(x: Tensor, m: int, n: int) -> Tensor:
     """An [m, n] bf16 view on x's device without memory: torch.empty_like of it allocates an output."""
     return torch.empty(1, 1, dtype=BF16, device=x.device).expand(m, n)
@@ -202,8 +207,8 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     else:  # the norm kernel writes xn, which the qkv kernel reads as x
         p.xn = True
         c = dict(consts, residual=0, residual_out=0, norm_weight=0, has_residual=0, eps=0.0)
-        launches = [(_norm_launcher(dev, has_res), symbols, {} if has_res else {"residual": 0}, renames),
-                    (k, symbols, c, {**renames, "x": "xn"})]  # fmt: skip
+        launches = [(_norm_launcher(dev, has_res), symbols, {} if has_res else {"residual": 0},
+                     _also(renames, weight="norm_weight")), (k, symbols, c, _also(renames, x="xn"))]  # fmt: skip
     plans.bind(p, names + _QKV_VALUES, launches)
     if prefer is _EAGER:  # (loads the graph design's kernel now, outside any capture)
         p.graph = _qkv_launcher(dev, m, fmt, stage.rope, nq, nkv, kv, _GRAPH).entry is not k.entry

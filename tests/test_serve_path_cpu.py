@@ -147,6 +147,14 @@ def test_kernel_parameters_are_bound_by_name(monkeypatch):
         for name in ("weight", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "slot_mapping",
                      "k_cache", "v_cache"):  # fmt: skip
             assert a[name] == c[name].data_ptr(), name
+        if design == "prologue":
+            assert a["norm_weight"] == c["norm_weight"].data_ptr()
+        values = {t.data_ptr(): n for n, t in c.items() if hasattr(t, "data_ptr")}
+        for e, args, _ in dry.launched:  # every pointer a kernel gets is its own parameter's tensor
+            for p in e.params:
+                if p.type == "ptr" and args[p.name] in values and values[args[p.name]] != p.name:
+                    assert (e.kind, p.name, values[args[p.name]]) in {("norm", "weight", "norm_weight")}, (
+                        e.kind, p.name, values[args[p.name]])
         assert a["q"] == q.data_ptr() and a["weight_scale"] == a["global_scale"] == a["k_scale"] == 0
         assert (a["m"], a["num_slot_mapping"], a["max_pos"], a["block_size"]) == (m, m, 64, 16)
         assert (a["stride_block"], a["stride_slot"], a["stride_head"]) == c["k_cache"].stride()[:3]
@@ -156,6 +164,7 @@ def test_kernel_parameters_are_bound_by_name(monkeypatch):
         else:
             (ne, na, ngrid), = norm
             assert ne.kind == "norm" and ngrid == (m, 1, 1, 0) and na["x"] == c["x"].data_ptr()
+            assert na["weight"] == c["norm_weight"].data_ptr() and na["residual"] == c["residual"].data_ptr()
             assert na["residual_out"] == r.data_ptr() and a["x"] == na["xn"] != c["x"].data_ptr()
             assert a["residual"] == a["residual_out"] == a["norm_weight"] == a["has_residual"] == 0
 
