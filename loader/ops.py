@@ -173,18 +173,18 @@ _QKV = ("x", "residual", "norm_weight", "weight", "weight_scale", "global_scale"
         "v_scale")  # the tensors of a flint_qkv_fused call, in the op's order  # fmt: skip
 _QKV_VALUES = ("q", "residual_out", "xn", "eps", "qk_eps")  # its other values, after the tensors' pointers
 # Unless asked for one, the design that costs least where the call is: eagerly, the host's work per call
-# (prologue: one launch, no xn); in a CUDA graph, only the GPU's (separate; BENCHMARKS.md §1 and §4). The two
-# give bit-identical results; a design the bundle lacks falls back to the other.
+# (prologue: one launch, no xn), up to 8 tokens; from 9 tokens on the prologue design's GPU time outgrows the
+# host's (at M = 16, 14-19 us against 7-11 for the two-kernel design); in a CUDA graph, only the GPU's
+# (separate; BENCHMARKS.md §1 and §4). The two give bit-identical results; a design the bundle lacks falls
+# back to the other.
 _EAGER, _GRAPH = ("prologue", "separate"), ("separate", "prologue")
 _PREFER = {None: _EAGER, "separate": ("separate",), "prologue": ("prologue",)}  # by launch_options' design
 
 
-def _qkv_launcher(dev, m, fmt, rope, nq, nkv, kv, prefer) -> runtime.Launcher:
-    """The qkv kernel of the first design in `prefer` that the bundle has, with the smallest token tile that
-    holds m."""
-    tiles = abi.m_tiles(m)
-    specs = lambda: [abi.qkv_spec(fmt, rope, nq, nkv, kv, d, t) for d in prefer for t in tiles]  # noqa: E731
-    return _launcher(dev, "qkv", (fmt, rope, nq, nkv, kv, prefer, tiles[0]), specs)
+def _qkv_specs(m, fmt, rope, nq, nkv, kv, prefer) -> list[dict]:
+    """The qkv specs that serve a call, in order of preference: the designs of `prefer`, each with the token
+    tiles that hold m, the smallest first."""
+    return [abi.qkv_spec(fmt, rope, nq, nkv, kv, d, t) for d in prefer for t in abi.m_tiles(m)]
 
 
 def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
@@ -199,7 +199,8 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     if fmt == "bf16":
         consts.update(weight_scale=0, global_scale=0)  # (a BF16 kernel reads no scale)
     symbols = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}
-    k = _qkv_launcher(dev, m, fmt, stage.rope, nq, nkv, kv, prefer)
+    specs = _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, prefer)
+    k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, abi.m_tiles(m)[0]), lambda: specs)
     p = plans.Plan(dev, (), out=_out(x, m, nq * HEAD_DIM), stage=stage, names=names)
     if k.entry.spec["norm"] == "prologue":  # one kernel, the input norm in its prologue
         c = dict(consts, has_residual=int(has_res), **({} if has_res else {"residual": 0}))
@@ -207,11 +208,14 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     else:  # the norm kernel writes xn, which the qkv kernel reads as x
         p.xn = True
         c = dict(consts, residual=0, residual_out=0, norm_weight=0, has_residual=0, eps=0.0)
-        launches = [(_norm_launcher(dev, has_res), symbols, {} if has_res else {"residual": 0},
-                     _also(renames, weight="norm_weight")), (k, symbols, c, _also(renames, x="xn"))]  # fmt: skip
+        norm = (_norm_launcher(dev, has_res), symbols, {} if has_res else {"residual": 0},
+                _also(renames, weight="norm_weight"))  # fmt: skip
+        launches = [norm, (k, symbols, c, _also(renames, x="xn"))]
     plans.bind(p, names + _QKV_VALUES, launches)
-    if prefer is _EAGER:  # (loads the graph design's kernel now, outside any capture)
-        p.graph = _qkv_launcher(dev, m, fmt, stage.rope, nq, nkv, kv, _GRAPH).entry is not k.entry
+    if prefer is _EAGER:  # a capture would run the other design (loaded at the first capture)
+        graph = runtime.entry(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, _GRAPH, abi.m_tiles(m)[0]),
+                              lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, _GRAPH))  # fmt: skip
+        p.graph = graph is not k.entry
     return p
 
 
@@ -258,8 +262,10 @@ def flint_qkv_fused(
     e, qe, opts = checks.eps("eps", eps), checks.eps("qk_eps", qk_eps), _options()
     args = (x, residual, norm_weight, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
             cos_sin_cache, positions, k_cache, v_cache, slot_mapping, k_scale, v_scale)  # _QKV  # fmt: skip
-    key = ("qkv", _rows(x), nq, nkv, residual is None, weight_scale is None, global_scale is None,
-           cos_sin_cache is None, k_scale is None, v_scale is None, _PREFER[opts.design])  # fmt: skip
+    m = _rows(x)
+    prefer = _PREFER[opts.design] if opts.design or m <= 8 else _GRAPH
+    key = ("qkv", m, nq, nkv, residual is None, weight_scale is None, global_scale is None,
+           cos_sin_cache is None, k_scale is None, v_scale is None, prefer)  # fmt: skip
     p, ts = _plan(key, _QKV, args, _qkv_plan, args, nq, nkv, key[-1])
     if p.graph and torch.cuda.is_current_stream_capturing():  # the design for CUDA graphs
         key = (*key[:-1], _GRAPH)

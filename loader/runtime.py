@@ -396,6 +396,17 @@ def first_entry(bundle: Bundle, cc: tuple[int, int], kind: str, specs) -> Kernel
     return select_entry(bundle, cc, kind, specs[-1])
 
 
+def entry(dev: int, kind: str, key: tuple, spec_of) -> KernelEntry:
+    """The manifest entry launcher(dev, kind, key, spec_of) would load, without loading it (per thread, one
+    dictionary hit once looked up)."""
+    cache = thread_cache()
+    lk = ("entry", dev, kind, key)
+    got = cache.get(lk)
+    if got is None:
+        got = cache[lk] = first_entry(current_bundle(), torch.cuda.get_device_capability(dev), kind, spec_of())
+    return got
+
+
 def _build(dev: int, kind: str, specs) -> Launcher:
     bundle = current_bundle()
     entry = first_entry(bundle, torch.cuda.get_device_capability(dev), kind, specs)

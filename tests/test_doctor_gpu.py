@@ -20,10 +20,14 @@ def test_doctor_passes_on_the_bundle(gpu_bundle):
     finally:
         loader.load_bundle(gpu_bundle.path)
     assert r.exit_code == 0, r.output
-    n = sum(1 for e in gpu_bundle.manifest.kernels if e.arch == "sm_90a")
+    entries = [e for e in gpu_bundle.manifest.kernels if e.arch == "sm_90a"]
     rows = [ln.split() for ln in r.output.splitlines()[2:] if "variants pass" not in ln]
-    results = [cols[2] for cols in rows if len(cols) >= 4]
-    assert results == ["pass"] * n and f"{n} of {n} variants pass" in r.output
+    rows = [cols for cols in rows if len(cols) >= 5]  # variant, M=m, error, result, ms
+    # each variant at M = 1 and 8 (the 8-token kernels and the tile-less ones) and 16 (the 16-token ones, and
+    # the tile-less ones)
+    want = sum({8: 2, 16: 1}.get(e.spec.get("max_m"), 3) for e in entries)
+    assert len(rows) == want and {cols[0] for cols in rows} == {e.name for e in entries}
+    assert [cols[3] for cols in rows] == ["pass"] * want and f"{want} of {want} variants pass" in r.output
 
 
 def test_doctor_fails_a_wrong_cubin(gpu_bundle, tmp_path):
@@ -47,6 +51,6 @@ def test_doctor_fails_a_wrong_cubin(gpu_bundle, tmp_path):
     finally:
         loader.load_bundle(gpu_bundle.path)
     assert r.exit_code == 1, r.output
-    line = next(ln for ln in r.output.splitlines() if ln.startswith(name + " "))
-    assert "FAIL" in line
-    assert r.output.count("FAIL") == 1
+    lines = [ln for ln in r.output.splitlines() if ln.startswith(name + " ")]
+    assert len(lines) == 2 and all("FAIL" in ln for ln in lines)  # at M = 1 and 8
+    assert r.output.count("FAIL") == 2

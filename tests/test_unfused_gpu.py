@@ -160,7 +160,7 @@ def test_fused_equals_unfused(gpu_bundle, fmt, capsys):
 
     vs = variants(gpu_bundle, fmt)
     assert vs
-    differ = total = 0
+    differ = total = cancel = 0
     for i, (rope, (nq, nkv)) in enumerate(vs):
         for m in (1, 4, 8, 9, 12, 16):
             c = make_case(m, nq, nkv, rope, seed=900 + 10 * i + m, residual=(m != 4), fmt=fmt)
@@ -183,12 +183,16 @@ def test_fused_equals_unfused(gpu_bundle, fmt, capsys):
             w = ~c["k_cache"].isnan()
             for a, b in ((q, q2), (c["k_cache"][w], u["k_cache"][w])):
                 d = bf16_ulps(a, b)
-                assert d.max().item() <= 1, "q/k must agree within one bf16 ulp"
+                # one bf16 ulp; where NeoX RoPE cancels (|y1 c - y2 s| << |y|), the paths' fp32 difference
+                # (~2^-23 |y|) may be more ulps of the tiny result: there 2^-18 of the values' RMS
+                far = (d > 1) & ((a.float() - b.float()).abs() > 2.0**-18 * a.float().pow(2).mean().sqrt())
+                assert not far.any(), f"q/k differ by more than one bf16 ulp: {a[far][:4]} vs {b[far][:4]}"
+                cancel += ((d > 1) & ~far).sum().item()
                 differ += (d > 0).sum().item()
                 total += d.numel()
     with capsys.disabled():
-        print(f"\n[fused vs unfused, {fmt}] q/k elements that differ (by 1 ulp): {differ}/{total} "
-              f"= {100 * differ / total:.3f} %")  # fmt: skip
+        print(f"\n[fused vs unfused, {fmt}] q/k elements that differ: {differ}/{total} "
+              f"= {100 * differ / total:.3f} % ({cancel} by more than one ulp where RoPE cancels)")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

@@ -17,7 +17,8 @@ for design in ("prologue", "separate"):
         for fmt in ("bf16", "nvfp4"):
             for kv in ("bf16", "fp8_e4m3"):
                 for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16)):
-                    slots = torch.tensor([3, -1, 70, 200, 9, -3, 11, 12, 40, 41, 42, 43, 44][:m], device="cuda")
+                    slots = [3, -1, 70, 200, 9, -3, 11, 12, 40, 41, 42, 43, 44][:m]
+                    slots = torch.tensor(slots, device="cuda")
                     c = op_args(make_case(m, nq, nkv, rope, seed=m, slots=slots, fmt=fmt, kv_dtype=kv))
                     q, r = loader.flint_qkv_fused(**c)
                     c["residual"] = None
