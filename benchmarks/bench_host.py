@@ -97,29 +97,16 @@ def torch_eager_op(c, w_dense):
 
 
 def no_cliffs(g, calls: int) -> list:
-    """The fused op (M = 1, heads (32, 4), BF16) on its fast path beside the calls that must not fall off it:
-    a tensor passed in two roles, M changing every call (1..16, one plan each), and the full-check path (a
-    plan built every call, as for a new shape; the kernels' launchers stay loaded)."""
+    """The fused op (heads (32, 4), BF16) on its fast path beside the calls that must not fall off it (at
+    most 1.3x): a tensor passed in two roles, M changing every call (one plan each); and the full-check path
+    (at most 3x: a plan built every call, as for a new shape; the kernels stay loaded). Interleaved over five
+    rounds, the best of each; the ratio is to the fast path at the same M (1, or 16 for 9..16)."""
     from loader import runtime
 
-    c = case(1, 32, 4, "bf16", "bf16", g)
+    c, c16 = case(1, 32, 4, "bf16", "bf16", g), case(16, 32, 4, "bf16", "bf16", g)
     f8 = case(1, 32, 4, "bf16", "fp8_e4m3", g)
-    cases = {
-        "fast path (distinct tensors)": c,
-        "q_norm_weight is k_norm_weight": dict(c, k_norm_weight=c["q_norm_weight"]),
-        "residual is x": dict(c, residual=c["x"]),
-        "FP8 cache, fast path": f8,
-        "FP8 cache, k_scale is v_scale": dict(f8, v_scale=f8["k_scale"]),
-    }
-    rows = [(f"flint_qkv_fused: {k}", "", per_call(lambda c=v: loader.flint_qkv_fused(**c), calls))
-            for k, v in cases.items()]  # fmt: skip
     by_m = [case(m, 32, 4, "bf16", "bf16", g) for m in range(1, 17)]
     it = iter(range(1 << 62))
-
-    def cycling():
-        loader.flint_qkv_fused(**by_m[next(it) % 16])
-
-    rows.append(("flint_qkv_fused: M cycling 1..16", "", per_call(cycling, calls)))
     cache = runtime.thread_cache()
 
     def full():
@@ -127,8 +114,27 @@ def no_cliffs(g, calls: int) -> list:
             del cache[k]
         loader.flint_qkv_fused(**c)
 
-    rows.append(("flint_qkv_fused: full-check path (a new plan every call)", "", per_call(full, calls // 4)))
-    return rows
+    runs = {  # name: (function, the fast path it is compared with)
+        "fast path, M=1 (distinct tensors)": (lambda: loader.flint_qkv_fused(**c), None),
+        "q_norm_weight is k_norm_weight": (lambda: loader.flint_qkv_fused(
+            **dict(c, k_norm_weight=c["q_norm_weight"])), "fast path, M=1 (distinct tensors)"),
+        "residual is x": (lambda: loader.flint_qkv_fused(**dict(c, residual=c["x"])),
+                          "fast path, M=1 (distinct tensors)"),
+        "FP8 cache, fast path": (lambda: loader.flint_qkv_fused(**f8), None),
+        "FP8 cache, k_scale is v_scale": (lambda: loader.flint_qkv_fused(**dict(f8, v_scale=f8["k_scale"])),
+                                          "FP8 cache, fast path"),
+        "M cycling 1..8": (lambda: loader.flint_qkv_fused(**by_m[next(it) % 8]),
+                           "fast path, M=1 (distinct tensors)"),
+        "fast path, M=16": (lambda: loader.flint_qkv_fused(**c16), None),
+        "M cycling 9..16": (lambda: loader.flint_qkv_fused(**by_m[8 + next(it) % 8]), "fast path, M=16"),
+        "full-check path (a new plan every call)": (full, "fast path, M=1 (distinct tensors)"),
+    }  # fmt: skip
+    best = {k: float("inf") for k in runs}
+    for _ in range(5):
+        for k, (fn, _base) in runs.items():
+            best[k] = min(best[k], per_call(fn, calls // 4 if fn is full else calls, 3))
+    return [(f"flint_qkv_fused: {k}", "" if base is None else f"{best[k] / best[base]:.2f}x the fast path",
+             best[k]) for k, (_fn, base) in runs.items()]  # fmt: skip
 
 
 def main():
@@ -221,7 +227,7 @@ def main():
                 rows.append((f"torch.ops.flint.qk_norm_rope_cache M={m} cache {kv}", "",
                              per_call(lambda: torch.ops.flint.qk_norm_rope_cache(qkv, **qa),
                                       a.calls)))  # fmt: skip
-    lines = ["| call | design | host µs per call |", "|---|---|---|"]
+    lines = ["| call | design (or: against the fast path) | host µs per call |", "|---|---|---|"]
     lines += [f"| `{name}` | {design} | {us:.1f} |" for name, design, us in rows]
     table = "\n".join(lines)
     print(f"\nfirst call of the process (cubin load included): {first:.0f} µs\n")

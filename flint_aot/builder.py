@@ -32,8 +32,7 @@ from pathlib import Path
 
 from flint_aot import __version__, kernels
 from flint_aot.config import Specialization, expand, load_config
-from loader.bundle import check_cubin
-from loader.elf import CubinError
+from loader.elf import CubinError, check_cubin
 from loader.manifest import MANIFEST_NAME, KernelEntry, Manifest, Param, sha256_bytes
 
 _ROOT = Path(__file__).resolve().parent.parent

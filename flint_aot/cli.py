@@ -164,8 +164,10 @@ def verify(bundle):
     """Check BUNDLE (default build/flint) both ways: every manifest entry against its cubin (sha256, ELF
     entry, parameters, block size), every file against the manifest, and the manifest against the variants
     its recorded config expands to. Exit status 1 on any problem."""
+    from flint_aot.verify import verify as verify_bundle
+
     b = _open(bundle)
-    results = b.verify()
+    results = verify_bundle(b)
     for label, problems in sorted(_against_config(b).items()):
         results.setdefault(label, []).extend(problems)
     bad = 0

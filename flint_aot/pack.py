@@ -22,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 from flint_aot.builder import BuildError, _sweep, check_writable_dir
+from flint_aot.verify import verify
 from loader.bundle import Bundle
 from loader.manifest import MANIFEST_NAME, sha256_bytes
 
@@ -69,7 +70,7 @@ def pack(bundle_dir, out_dir) -> Path:
         raise PackError(str(e)) from None
     src = loader_project()
     b = Bundle.open(bundle_dir)
-    bad = {label: p for label, p in b.verify().items() if p}
+    bad = {label: p for label, p in verify(b).items() if p}
     if bad:
         what = "; ".join(f"{k}: {v}" for k, v in bad.items())
         raise PackError(f"bundle {b.path} does not verify ({what}); rebuild it: "

@@ -9,18 +9,8 @@ import sys
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BundleError",
-    "current_bundle",
-    "flint_qkv_fused",
-    "fused_add_rms_norm",
-    "gemv",
-    "launch_options",
-    "load_bundle",
-    "no_rope_table",
-    "qk_norm_rope_cache",
-    "rms_norm",
-]
+__all__ = ["BundleError", "current_bundle", "flint_qkv_fused", "fused_add_rms_norm", "gemv", "launch_options",
+           "load_bundle", "no_rope_table", "qk_norm_rope_cache", "rms_norm"]  # fmt: skip
 _RUNTIME = {"current_bundle", "launch_options", "load_bundle"}
 
 

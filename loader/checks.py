@@ -1,9 +1,6 @@
 """The ops' argument checks (docs/api.md §2, §7, §15): each raises TypeError / ValueError naming the argument
 and the fix, before anything is launched or written, and makes no CUDA call (a CPU or meta tensor is refused
-for its device first). A plan (loader.plans) records what they conclude from the tensors' metadata, so a call
-with tensors a plan has seen runs only the checks that depend on pointers and values: alignment, k/v cache
-overlap, the no-RoPE placeholder, the FP8 scales' values and the scalars.
-"""
+for its device first); loader.plans keeps what they conclude from the tensors' metadata."""
 
 from __future__ import annotations
 

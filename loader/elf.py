@@ -15,6 +15,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
+from loader.manifest import ARCH_CC, sha256_bytes
+
 _STO_CUDA_ENTRY = 0x10
 _EIATTR_KPARAM_INFO = 0x17
 _EIATTR_REQNTID = 0x10
@@ -194,3 +196,29 @@ def _read_cubin(b: bytes) -> CubinInfo:
     # ELF ABI version 8 and later (sm_100+) keep the SM number in bits 8..15 of e_flags, older ones in 0..7.
     sm = (e_flags >> 8) & 0xFF if b[8] >= 8 else e_flags & 0xFF
     return CubinInfo(sm=sm, kernels=kernels)
+
+
+def check_cubin(entry, data: bytes) -> list[str]:
+    """Problems found comparing a cubin's bytes with its manifest entry (empty list: consistent)."""
+    problems = []
+    if len(data) != entry.size:
+        problems.append(f"size {len(data)} != manifest {entry.size}")
+    digest = sha256_bytes(data)
+    if digest != entry.sha256:
+        problems.append(f"sha256 {digest[:16]}… != manifest {entry.sha256[:16]}…")
+    try:
+        info = read_cubin(data)
+    except CubinError as e:
+        return problems + [f"not a readable cubin ({e})"]
+    cc = ARCH_CC.get(entry.arch)
+    if cc is not None and info.sm != cc[0] * 10 + cc[1]:
+        problems.append(f"ELF is for sm_{info.sm}, manifest says {entry.arch}")
+    k = info.kernels.get(entry.entry)
+    if k is None:
+        problems.append(f"entry symbol {entry.entry} not in cubin (has {sorted(info.kernels)})")
+        return problems
+    if k.params != entry.param_offsets():
+        problems.append(f"parameter layout {k.params} != manifest {entry.param_offsets()}")
+    if k.reqntid is not None and tuple(k.reqntid) + (1,) * (3 - len(k.reqntid)) != tuple(entry.block):
+        problems.append(f"required block {k.reqntid} != manifest {entry.block}")
+    return problems

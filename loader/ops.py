@@ -1,13 +1,9 @@
-"""The public ops (docs/api.md §3-§6).
-
-A call gathers its tensor arguments in the op's order (the tuple named beside each op), finds the plan that
-its tensors' metadata selects (loader.plans) or builds one with every check (loader.checks), re-checks what
-depends on pointers and values, allocates its outputs and runs the plan's kernels. The values a kernel takes
-are named: the call's distinct tensors (their data pointers), then the op's outputs and scalars; each kernel
-takes its parameters from them by name (loader.runtime.Launcher.bind), so no op packs arguments by position.
-Every check runs before anything is launched or written, and raises TypeError / ValueError (bad arguments)
-or LookupError (not in the bundle).
-"""
+"""The public ops (docs/api.md §3-§6). A call gathers its tensors in the op's order (the tuple named beside
+each op), finds the plan its tensors' metadata selects (loader.plans) or builds one with every check
+(loader.checks), re-checks what depends on pointers and values, allocates its outputs and runs the plan's
+kernels, which take their parameters by name from the call's values: its distinct tensors' data pointers,
+then its outputs and scalars (loader.runtime.Launcher.bind). Bad arguments raise TypeError / ValueError,
+a variant the bundle lacks LookupError, before anything is launched or written."""
 
 from __future__ import annotations
 
@@ -52,9 +48,15 @@ def _also(renames: dict, **params) -> dict:
     return {**renames, **{p: renames.get(name, name) for p, name in params.items()}}
 
 
+_ONE: dict = {}  # device -> a one-element bf16 tensor
+
+
 def _out(x: Tensor, m: int, n: int) -> Tensor:
     """An [m, n] bf16 view on x's device without memory: torch.empty_like of it allocates an output."""
-    return torch.empty(1, 1, dtype=BF16, device=x.device).expand(m, n)
+    one = _ONE.get(x.device)
+    if one is None:
+        one = _ONE[x.device] = torch.empty(1, 1, dtype=BF16, device=x.device)
+    return one.expand(m, n)
 
 
 # ----------------------------------------------------------------------------- input norm
@@ -173,10 +175,10 @@ _QKV = ("x", "residual", "norm_weight", "weight", "weight_scale", "global_scale"
         "v_scale")  # the tensors of a flint_qkv_fused call, in the op's order  # fmt: skip
 _QKV_VALUES = ("q", "residual_out", "xn", "eps", "qk_eps")  # its other values, after the tensors' pointers
 # Unless asked for one, the design that costs least where the call is: eagerly, the host's work per call
-# (prologue: one launch, no xn), up to 8 tokens; from 9 tokens on the prologue design's GPU time outgrows the
-# host's (at M = 16, 14-19 us against 7-11 for the two-kernel design); in a CUDA graph, only the GPU's
-# (separate; BENCHMARKS.md §1 and §4). The two give bit-identical results; a design the bundle lacks falls
-# back to the other.
+# (prologue: one launch, no xn; at M = 16 its GPU time, 14-19 us per layer, is about the host time of an
+# eager call, and the two-kernel design's is 7-11 us for ~5 us more host time); in a CUDA graph, only the
+# GPU's (separate; BENCHMARKS.md §1 and §4). The two give bit-identical results; a design the bundle lacks
+# falls back to the other.
 _EAGER, _GRAPH = ("prologue", "separate"), ("separate", "prologue")
 _PREFER = {None: _EAGER, "separate": ("separate",), "prologue": ("prologue",)}  # by launch_options' design
 
@@ -199,8 +201,8 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     if fmt == "bf16":
         consts.update(weight_scale=0, global_scale=0)  # (a BF16 kernel reads no scale)
     symbols = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}
-    specs = _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, prefer)
-    k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, abi.m_tiles(m)[0]), lambda: specs)
+    k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, abi.m_tiles(m)[0]),
+                  lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, prefer))  # fmt: skip
     p = plans.Plan(dev, (), out=_out(x, m, nq * HEAD_DIM), stage=stage, names=names)
     if k.entry.spec["norm"] == "prologue":  # one kernel, the input norm in its prologue
         c = dict(consts, has_residual=int(has_res), **({} if has_res else {"residual": 0}))
@@ -219,38 +221,18 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     return p
 
 
-def flint_qkv_fused(
-    x: Tensor,
-    residual: Tensor | None,
-    norm_weight: Tensor,
-    eps: float,
-    weight: Tensor,
-    weight_scale: Tensor | None,
-    global_scale: Tensor | None,
-    q_norm_weight: Tensor,
-    k_norm_weight: Tensor,
-    qk_eps: float,
-    cos_sin_cache: Tensor | None,
-    positions: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    *,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Residual-add RMSNorm + qkv GEMV + q/k RMSNorm, NeoX RoPE, paged KV-cache write, for 1 <= M <= MAX_M
-    tokens (docs/api.md §3; numerics: docs/numerics.md).
-
-    Returns (q bf16 [M, num_q_heads * 128], residual_out bf16 [M, 2048]); residual_out is x itself when
-    residual is None. An FP8 cache (float8_e4m3fn, or uint8 meaning e4m3) needs k_scale and v_scale. A
-    position outside cos_sin_cache makes that token's q/k heads NaN; a negative slot or one >= num_blocks *
-    block_size is not written; `launch_options(bounds_check=True)` raises on them instead. PDL input contract
-    (docs/api.md §14): the weights, their scales and the norm weights may be read before the kernel waits for
-    its predecessor on the stream, so that predecessor must not write them.
-    """
+def flint_qkv_fused(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
+                    weight_scale: Tensor | None, global_scale: Tensor | None, q_norm_weight: Tensor,
+                    k_norm_weight: Tensor, qk_eps: float, cos_sin_cache: Tensor | None, positions: Tensor,
+                    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, num_q_heads: int,
+                    num_kv_heads: int, *, k_scale: Tensor | None = None,
+                    v_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Residual-add RMSNorm + qkv GEMV + q/k RMSNorm, NeoX RoPE, paged KV-cache write, 1 <= M <= MAX_M tokens
+    (docs/api.md §3, numerics: docs/numerics.md). Returns (q bf16 [M, num_q_heads * 128], residual_out bf16
+    [M, 2048]; x itself when residual is None). An FP8 cache needs k_scale and v_scale. A position outside
+    cos_sin_cache gives NaN q/k for that token, a slot outside the cache is not written (docs/api.md §9:
+    checked mode raises). PDL (docs/api.md §14): the weights, their scales and the norm weights may be read
+    before the kernel waits for its predecessor, which must not write them."""
     if _compiling():
         q, r = torch.ops.flint.qkv_fused(
             x, residual, norm_weight, eps, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
@@ -262,10 +244,8 @@ def flint_qkv_fused(
     e, qe, opts = checks.eps("eps", eps), checks.eps("qk_eps", qk_eps), _options()
     args = (x, residual, norm_weight, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
             cos_sin_cache, positions, k_cache, v_cache, slot_mapping, k_scale, v_scale)  # _QKV  # fmt: skip
-    m = _rows(x)
-    prefer = _PREFER[opts.design] if opts.design or m <= 8 else _GRAPH
-    key = ("qkv", m, nq, nkv, residual is None, weight_scale is None, global_scale is None,
-           cos_sin_cache is None, k_scale is None, v_scale is None, prefer)  # fmt: skip
+    key = ("qkv", _rows(x), nq, nkv, residual is None, weight_scale is None, global_scale is None,
+           cos_sin_cache is None, k_scale is None, v_scale is None, _PREFER[opts.design])  # fmt: skip
     p, ts = _plan(key, _QKV, args, _qkv_plan, args, nq, nkv, key[-1])
     if p.graph and torch.cuda.is_current_stream_capturing():  # the design for CUDA graphs
         key = (*key[:-1], _GRAPH)
@@ -304,9 +284,8 @@ def _gemv_plan(names, renames, args) -> plans.Plan:
     return p
 
 
-def gemv(
-    x: Tensor, weight: Tensor, weight_scale: Tensor | None = None, global_scale: Tensor | None = None
-) -> Tensor:
+def gemv(x: Tensor, weight: Tensor, weight_scale: Tensor | None = None,
+         global_scale: Tensor | None = None) -> Tensor:  # fmt: skip
     """y = bf16(x · Wᵀ) for x bf16 [M, 2048] (1 <= M <= MAX_M) and W BF16 [N, 2048] or NVFP4 (uint8 [N, 1024],
     e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N a multiple
     of 16 up to loader.abi.MAX_GEMV_ROWS. Bit-identical to the fused kernel's qkv values (docs/numerics.md
@@ -340,22 +319,10 @@ def _qknrc_plan(names, renames, args, nq, nkv) -> plans.Plan:
     return p
 
 
-def qk_norm_rope_cache(
-    qkv: Tensor,
-    q_norm_weight: Tensor,
-    k_norm_weight: Tensor,
-    qk_eps: float,
-    cos_sin_cache: Tensor | None,
-    positions: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    slot_mapping: Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    *,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-) -> Tensor:
+def qk_norm_rope_cache(qkv: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor, qk_eps: float,
+                       cos_sin_cache: Tensor | None, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       slot_mapping: Tensor, num_q_heads: int, num_kv_heads: int, *,
+                       k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:  # fmt: skip
     """docs/numerics.md §3-§4 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm,
     NeoX RoPE (cos_sin_cache None = none), k and v written to the paged (BF16 or FP8) cache at slot_mapping
     (same rules and memory safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128]

@@ -1,17 +1,9 @@
-"""Argument plans (docs/api.md §15): what a call's checks concluded from its tensors' metadata, per thread.
-
-A call's checks split in two: what follows from its tensors' metadata (dtype, device, shape, strides) and
-what follows from their data pointers and values. The first call with new metadata runs every check
-(loader.checks) and leaves a plan: the kernels bound to the call's values by name
-(loader.runtime.Launcher.bind), the kernel arguments that follow from the metadata, and a guard (torch's C++
-TensorGuards, as torch.compile uses) that verifies in one call that a later call's tensors have exactly the
-plan's dtypes, devices, shapes and strides. A call whose tensors pass the guard re-checks only what depends
-on pointers and values.
-
-A call may pass one tensor in several roles (`q_norm_weight is k_norm_weight`, `residual is x`). The guard
-refuses a tensor given twice, so such a plan guards the call's distinct tensors and checks that the repeated
-roles are the same objects again: the same fast path. Without TensorGuards (or if it fails its self-test)
-every call is checked in full.
+"""Argument plans (docs/api.md §15), per thread: the first call with new tensor metadata runs every check
+(loader.checks) and leaves a plan (the kernels bound to the call's values by name, the arguments that follow
+from the metadata, and a guard: torch's C++ TensorGuards, which verifies in one call that later tensors have
+the plan's dtypes, devices, shapes and strides). Later calls re-check only what depends on pointers and
+values. The guard refuses a tensor given twice, so a call passing one tensor in two roles gets a plan that
+guards its distinct tensors and checks the repeated roles are the same objects again: the same fast path.
 """
 
 from __future__ import annotations

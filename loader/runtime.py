@@ -1,14 +1,9 @@
-"""CUDA driver side of the loader (docs/bundle.md §5, docs/api.md §10): where the bundle is, per-device module
-loading, and ready-to-launch kernels.
-
-torch and cuda-bindings only. A cubin is loaded once per device, lazily, under a lock, into the device's
-primary context (torch's). A `Launcher` is built once per (thread, device, kind, spec): function handle,
-launch configs with their cluster and PDL attributes, and a parameter buffer laid out from the manifest's
-parameter list. `Launcher.bind` matches a plan's value names to the kernel's parameters once and evaluates
-the manifest's grid rule; a call then fills the buffer with one struct.pack_into and calls cuLaunchKernelEx
-on torch's current stream, so launches can be captured in CUDA graphs. Launch settings are scoped
-(`launch_options`), never process-wide.
-"""
+"""CUDA driver side of the loader (docs/bundle.md §5, docs/api.md §10), torch and cuda-bindings only: where
+the bundle is, cubins loaded once per device (lazily, under a lock, into torch's primary context), and a
+`Launcher` per (thread, device, kind, spec): function, launch configs with their cluster and PDL attributes,
+a parameter buffer laid out from the manifest. `Launcher.bind` matches a plan's values to the parameters by
+name once; a call fills the buffer with one struct.pack_into and calls cuLaunchKernelEx on torch's current
+stream (capturable in CUDA graphs). Launch settings are scoped (`launch_options`), never process-wide."""
 
 from __future__ import annotations
 
@@ -68,7 +63,7 @@ def _check(result, what: str):
 class LaunchOptions:
     pdl: bool = True  # programmatic stream serialization: a kernel's weight stream overlaps its predecessor
     bounds_check: bool = False  # checked mode: raise on positions / slots the kernels would skip
-    design: str | None = None  # flint_qkv_fused: "separate" / "prologue"; None: separate when built
+    design: str | None = None  # flint_qkv_fused: "separate" / "prologue"; None: the loader's choice
 
 
 _options = contextvars.ContextVar("flint_launch", default=LaunchOptions())  # noqa: B039 (frozen)
@@ -76,13 +71,10 @@ _options = contextvars.ContextVar("flint_launch", default=LaunchOptions())  # no
 
 @contextlib.contextmanager
 def launch_options(*, pdl: bool | None = None, bounds_check: bool | None = None, design: str | None = None):
-    """Scope launch settings to the code inside the `with` block, in this thread (or asyncio task) only
-    (docs/api.md §9): `pdl=False` launches without the PDL attribute (A/B measurements); `bounds_check=True`
-    is checked mode (positions outside the cos/sin table, slots outside the cache and duplicate slots raise
-    ValueError; one device-to-host copy per call; not usable inside CUDA-graph capture); `design="separate"`
-    or `"prologue"` makes flint_qkv_fused use that design (LookupError if the bundle lacks it); by default
-    it runs the two-kernel design when the bundle has it (the faster one, BENCHMARKS.md §1), else the
-    prologue design."""
+    """Scope launch settings to the `with` block, in this thread (or asyncio task) only (docs/api.md §9):
+    `pdl=False` launches without the PDL attribute; `bounds_check=True` is checked mode (bad positions and
+    slots raise ValueError; one device-to-host copy per call; not in CUDA-graph capture); `design=` makes
+    flint_qkv_fused run that design (LookupError if the bundle lacks it)."""
     if design not in (None, *NORM_MODES):
         raise ValueError(f"design must be one of {NORM_MODES} or None, got {design!r}")
     cur = _options.get()
@@ -158,11 +150,7 @@ def select_entry(bundle: Bundle, cc: tuple[int, int], kind: str, spec: dict) -> 
             "with `flint-aot build CONFIG -o BUNDLE`"
         )
     for e in bundle.manifest.kernels:  # a debug build (debug_* spec keys) serves the same calls
-        if (
-            e.arch == arch
-            and e.kind == kind
-            and {k: v for k, v in e.spec.items() if k[:6] != "debug_"} == spec
-        ):
+        if e.arch == arch and e.kind == kind and spec == {k: v for k, v in e.spec.items() if k[:6] != "debug_"}:  # noqa: E501
             return e
     have = sorted({_spec_str(e.spec) for e in bundle.manifest.kernels if e.kind == kind and e.arch == arch})
     raise LookupError(
@@ -267,13 +255,10 @@ class Launcher:
         return cfg
 
     def bind(self, names: tuple, symbols: dict, consts: dict, renames: dict) -> tuple:
-        """(run, align) for one plan. run(values, stream, pdl) fills the parameter buffer by name and
-        launches: parameter p takes consts[p] if given, else values[names.index(renames.get(p, p))] (`values`
-        holds the call's values in the order of `names`). The grid is the manifest's rule with `symbols`'
-        values. align: the alignment in bytes (1: none) this kernel needs of each value of `names`, in that
-        order. The names are matched to the parameters once per layout (BundleError if they do not cover
-        them); a value outside its parameter's C type raises ValueError (consts at once, the others when
-        packed)."""
+        """(run, align) for one plan. run(values, stream, pdl) packs the parameters by name and launches:
+        parameter p takes consts[p] if given, else values[names.index(renames.get(p, p))]; the grid is the
+        manifest's rule with `symbols`. align: the bytes of alignment this kernel needs of each of `names`.
+        BundleError if the names do not cover the parameters; ValueError for a value outside its C type."""
         key = (names, tuple(consts), tuple(sorted(renames.items())), tuple(symbols))
         layout = self._layouts.get(key)
         if layout is None:
@@ -351,11 +336,9 @@ class Launcher:
             _check((err,), f"launch {self.entry.entry}")
 
     def _launch_in_context(self, cfg, cur):
-        """The launch from a thread whose current context is not the kernel's: another device's, or none. The
-        thread's current device (torch.cuda.current_device()) stays what it was, as after a torch op: the
-        kernel's context is pushed for the launch and popped after it, unless the thread has none and its
-        current device is already this one (then the context is made current and stays, as torch's first
-        use of the device would do, and the thread's next launches take the fast path)."""
+        """The launch from a thread whose current context is another device's, or none: the kernel's context
+        is pushed and popped (the thread's current device stays), unless the thread has none and its current
+        device is this one (then it is made current and stays, as torch's first use of the device does)."""
         if cur is None and torch.cuda.current_device() == self.dev:
             _check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
             return cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
@@ -403,7 +386,8 @@ def entry(dev: int, kind: str, key: tuple, spec_of) -> KernelEntry:
     lk = ("entry", dev, kind, key)
     got = cache.get(lk)
     if got is None:
-        got = cache[lk] = first_entry(current_bundle(), torch.cuda.get_device_capability(dev), kind, spec_of())
+        cc = torch.cuda.get_device_capability(dev)
+        got = cache[lk] = first_entry(current_bundle(), cc, kind, spec_of())
     return got
 
 

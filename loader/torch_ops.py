@@ -1,11 +1,8 @@
-"""The ops as torch custom ops, `torch.ops.flint.*`, registered when `loader` is imported, the way vLLM
-registers its own (docs/api.md §11): a schema inferred from each op's typed signature, `Library.define` +
-`Library.impl(..., "CUDA")` (a dispatcher entry without the per-call overhead of `torch.library.custom_op`),
-and a fake (shape) implementation per op for torch.compile, with the op's signature. The KV caches are
-declared mutated. Outputs never alias inputs: with residual None the fused op returns an empty residual_out
-(the plain function hands back x). Under Dynamo tracing the plain functions call these ops, so
-`torch.compile(fullgraph=True)` sees one node.
-"""
+"""The ops as torch custom ops, `torch.ops.flint.*`, registered when `loader` is imported, as vLLM registers
+its own (docs/api.md §11): a schema inferred from each op's signature, `Library.define` + `Library.impl`
+(without the per-call overhead of `torch.library.custom_op`), a fake implementation per op with the op's
+signature; the KV caches declared mutated. Outputs never alias inputs (with residual None the fused op
+returns an empty residual_out). Under Dynamo the plain functions call these ops: one graph node."""
 
 from __future__ import annotations
 

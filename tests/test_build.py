@@ -8,6 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from flint_aot.verify import verify
 from loader.bundle import Bundle, BundleError
 from loader.manifest import Manifest, ManifestError
 from tests.conftest import ROOT, needs_dsl
@@ -43,7 +44,7 @@ def test_build_small_matrix(built):
         assert e.entry == f"flint_{e.name}_0" and e.block == (256, 1, 1) and e.grid == ("M", 1, 1)
         assert [p.name for p in e.params] == ["x", "residual", "residual_out", "xn", "weight", "eps"]
         assert b.read(e)[:4] == b"\x7fELF"
-    assert all(not p for p in b.verify().values())
+    assert all(not p for p in verify(b).values())
     text = (d / "bundle" / "manifest.json").read_text()
     assert str(d) not in text and "time" not in text  # no absolute paths, no timestamps
 
@@ -169,7 +170,7 @@ def test_default_config_is_accepted_and_its_kinds_compile(tmp_path):
     )
     res = build(tmp_path / "kinds.yaml", tmp_path / "b", cache_dir=tmp_path / "c", jobs=2)
     assert sorted(r.spec.kind for r in res.rows) == ["gemv", "qk_norm_rope_cache"]
-    assert all(not p for p in Bundle.open(tmp_path / "b").verify().values())
+    assert all(not p for p in verify(Bundle.open(tmp_path / "b")).values())
 
 
 def test_loader_refuses_tampered_manifests(built, tmp_path):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from flint_aot.verify import verify
 from loader.bundle import Bundle
 from tests.conftest import ROOT, needs_dsl
 
@@ -53,7 +54,7 @@ def test_killed_build_keeps_previous_bundle(tmp_path, tmp_path_factory):
     p.wait(60)
     assert _files(out) == before, "a killed build must not touch the bundle in place"
     b = Bundle.open(out)
-    assert all(not problems for problems in b.verify().values())
+    assert all(not problems for problems in verify(b).values())
     assert sorted(e.name for e in b.manifest.kernels) == ["norm_res0", "norm_res1"]
 
     # the interrupted cache is still good: the build finishes with it, reusing what was compiled (the bytes
@@ -64,7 +65,7 @@ def test_killed_build_keeps_previous_bundle(tmp_path, tmp_path_factory):
     assert re.search(r"\((\d) compiled, ([1-9]) cached\)", log), (
         log
     )  # what finished before the kill was reused
-    assert all(not problems for problems in Bundle.open(out).verify().values())
+    assert all(not problems for problems in verify(Bundle.open(out)).values())
     assert not list(tmp_path.glob(".bundle.tmp-*")) and not list(cache.glob(".work-*"))
 
 

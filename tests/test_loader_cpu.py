@@ -198,8 +198,7 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
                     dry.launched.clear()
                     with loader.launch_options(design=design):
                         q, r = loader.flint_qkv_fused(**c)
-                    # eagerly the prologue design when the bundle has it, up to 8 tokens
-                    want = design or ("prologue" if m <= 8 or subset != "both designs" else "separate")
+                    want = design or "prologue"  # eagerly the prologue design, when the bundle has it
                     kinds = [x.kind for x, _, _ in dry.launched]
                     assert kinds == (["norm", "qkv"] if want == "separate" else ["qkv"]), kinds
                     assert dry.launched[-1][0].spec == dict(s, norm=want)
