@@ -214,3 +214,29 @@ def test_links_in_readme_and_docs_resolve():
             assert ROOT in path.parents or path == ROOT, f"{page.name}: {target} leaves the repository"
             checked += 1
     assert checked > 10
+
+
+def test_fake_implementations_give_the_shapes_at_every_m():
+    """torch.compile's fake tensors: each torch.ops.flint.* gives its outputs' shapes and dtypes at M = 1, 8
+    and 16 (the fakes are named functions with the ops' signatures)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import loader  # noqa: F401  (registers torch.ops.flint.*)
+
+    with FakeTensorMode():
+        for m in (1, 8, 16):
+            c = _qkv_inputs(m, 32, 4, "bf16", True, "bf16")
+            c = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+            q, r = torch.ops.flint.qkv_fused(**c)
+            assert q.shape == (m, 32 * 128) and r.shape == (m, 2048) and q.dtype == torch.bfloat16
+            q, r = torch.ops.flint.qkv_fused(**dict(c, residual=None))
+            assert q.shape == (m, 32 * 128) and r.shape == (0,)
+            x, w = c["x"], c["norm_weight"]
+            assert torch.ops.flint.rms_norm(x, w, 1e-6).shape == (m, 2048)
+            assert [t.shape for t in torch.ops.flint.fused_add_rms_norm(x, x, w, 1e-6)] == [(m, 2048)] * 2
+            assert torch.ops.flint.gemv(x, c["weight"], None, None).shape == (m, 40 * 128)
+            qkv = torch.empty(m, 40 * 128, dtype=torch.bfloat16)
+            head = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions",
+                                      "k_cache", "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads")}
+            assert torch.ops.flint.qk_norm_rope_cache(qkv, **head).shape == (m, 32 * 128)
