@@ -237,6 +237,7 @@ def test_fake_implementations_give_the_shapes_at_every_m():
             assert [t.shape for t in torch.ops.flint.fused_add_rms_norm(x, x, w, 1e-6)] == [(m, 2048)] * 2
             assert torch.ops.flint.gemv(x, c["weight"], None, None).shape == (m, 40 * 128)
             qkv = torch.empty(m, 40 * 128, dtype=torch.bfloat16)
-            head = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions",
-                                      "k_cache", "v_cache", "slot_mapping", "num_q_heads", "num_kv_heads")}
+            head = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache",
+                                      "positions", "k_cache", "v_cache", "slot_mapping", "num_q_heads",
+                                      "num_kv_heads")}  # fmt: skip
             assert torch.ops.flint.qk_norm_rope_cache(qkv, **head).shape == (m, 32 * 128)
