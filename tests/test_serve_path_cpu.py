@@ -224,10 +224,13 @@ def test_fake_implementations_give_the_shapes_at_every_m():
 
     import loader  # noqa: F401  (registers torch.ops.flint.*)
 
-    with FakeTensorMode():
-        for m in (1, 8, 16):
-            c = _qkv_inputs(m, 32, 4, "bf16", True, "bf16")
-            c = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
+    mode = FakeTensorMode()
+    for m in (1, 8, 16):
+        real = _qkv_inputs(m, 32, 4, "bf16", True, "bf16")
+        qkv = torch.empty(m, 40 * 128, dtype=torch.bfloat16)
+        with mode:
+            c = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in real.items()}
+            qkv = mode.from_tensor(qkv)
             q, r = torch.ops.flint.qkv_fused(**c)
             assert q.shape == (m, 32 * 128) and r.shape == (m, 2048) and q.dtype == torch.bfloat16
             q, r = torch.ops.flint.qkv_fused(**dict(c, residual=None))
@@ -236,7 +239,6 @@ def test_fake_implementations_give_the_shapes_at_every_m():
             assert torch.ops.flint.rms_norm(x, w, 1e-6).shape == (m, 2048)
             assert [t.shape for t in torch.ops.flint.fused_add_rms_norm(x, x, w, 1e-6)] == [(m, 2048)] * 2
             assert torch.ops.flint.gemv(x, c["weight"], None, None).shape == (m, 40 * 128)
-            qkv = torch.empty(m, 40 * 128, dtype=torch.bfloat16)
             head = {k: c[k] for k in ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache",
                                       "positions", "k_cache", "v_cache", "slot_mapping", "num_q_heads",
                                       "num_kv_heads")}  # fmt: skip
