@@ -24,6 +24,7 @@ _compiling = torch.compiler.is_compiling
 _options = runtime._options.get  # this thread's LaunchOptions
 _data_ptr = Tensor.data_ptr
 _plan, _new = plans.get, plans.new
+_launcher = runtime.launcher  # (tests replace it)
 
 
 def _rows(x) -> int:
@@ -37,10 +38,6 @@ def _rows(x) -> int:
 def _misaligned(*new_args) -> None:
     _new(*new_args)  # a data pointer is misaligned: the full checks raise the error that names it
     raise AssertionError("a misaligned data pointer passed the checks")
-
-
-def _launcher(dev: int, kind: str, key, spec_of) -> runtime.Launcher:
-    return runtime.launcher(dev, kind, key, spec_of)
 
 
 def _also(renames: dict, **params) -> dict:
