@@ -207,10 +207,10 @@ def pack(bundle, out):
 def doctor(bundle, tokens):
     """Run every variant of BUNDLE (default build/flint) on this GPU against the torch reference, at each M
     that runs it (the 8-token kernels at M = 1 and 8, the 16-token ones at M = 16); exit 1 if any fails."""
-    from loader.doctor import report, run  # the same code as `python -m loader.doctor`
+    from loader.doctor import MS, report, run  # the same code as `python -m loader.doctor`
 
     try:
-        results = run(bundle, ms=tokens or (1, 8, 16))
+        results = run(bundle, ms=tokens or MS)
     except Exception as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
     click.echo(report(results))

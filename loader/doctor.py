@@ -21,6 +21,7 @@ from loader import reference as ref
 K, D = 2048, 128
 TOL = 1e-2  # docs/numerics.md §6: relative Frobenius error of q, k, v
 FP8_TOL = 5e-2  # an e4m3 cache: 3 mantissa bits, RMS rounding error ~3 % of the value
+MS = (1, 8, 16)  # the token counts checked unless asked: the ends of the 8-token tile, the 16-token one
 
 
 @dataclass
@@ -161,7 +162,7 @@ def _runs_at(e, m: int) -> bool:
     return "max_m" not in e.spec or abi.m_tiles(m)[0] == e.spec["max_m"]
 
 
-def run(bundle_path=None, ms=(1, 8, 16), seed: int = 0) -> list[Result]:
+def run(bundle_path=None, ms=MS, seed: int = 0) -> list[Result]:
     """One call per variant of the bundle for this GPU's architecture and M of ms that runs it (the 8-token
     kernels at M = 1 and 8, the 16-token ones at M = 16 by default)."""
     import loader
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
                     help=f"tokens per call (1..{abi.MAX_M}; repeatable; default 1, 8 and 16)")  # fmt: skip
     a = ap.parse_args(argv)
     try:
-        results = run(a.bundle, ms=a.tokens or (1, 8, 16))
+        results = run(a.bundle, ms=a.tokens or MS)
     except Exception as e:  # no GPU, no bundle, no cubins for this GPU: one line, exit 1
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
