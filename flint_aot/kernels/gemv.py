@@ -27,7 +27,7 @@ class GemvKernel(Kernel):
         self.fp4 = spec["weight_format"] == "nvfp4"
         self.tile = spec.get("max_m", 8)
         self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV)
-        self.xrow = core.K + (8 if self.fp4 else 32)  # (the fused kernel's padded rows)
+        self.xrow = core.smem_row(self.fp4)
         self.dyn_smem_per_m = self.xrow * 2 if self.tile > 8 else 0
         self.min_ctas_per_sm = 3 if self.tile > 8 else 0
 

@@ -80,10 +80,16 @@ def ld_shared(ptr):
     )
 
 
+def smem_row(fp4: bool) -> int:
+    """Row stride (elements) of x staged in shared memory (SharedX), padded against bank conflicts."""
+    return K + (8 if fp4 else 32)
+
+
 class SharedX:
-    """x [8, K] staged in this CTA's shared memory (row stride `row` elements) by the cluster's multicast
-    bulk copies (qkv.py); `ready()` waits on their mbarrier. Passed instead of the global x pointer, it
-    changes where the fragments come from, not the MMA sequence: results stay bit-identical."""
+    """x [tile, K] staged in this CTA's shared memory (row stride `row` elements, smem_row) by bulk copies
+    (qkv.py: the cluster's multicast copies; gemv.py, tile 16); `ready()` waits on their mbarrier. Passed
+    instead of the global x pointer, it changes where the fragments come from, not the MMA sequence: results
+    stay bit-identical."""
 
     def __init__(self, base, row, mbar):
         self.base, self.row, self.mbar = base, row, mbar
@@ -314,7 +320,7 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
     griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
     neither sink the loads below the wait nor hoist the wait above them). BF16: issued(), if given, runs
     once the loads are issued, before any of them is waited for (the guard's chain starts from a clock read
-    after it, so ptxas cannot hoist the waits above it). Returns the state for row_sums."""
+    after it, so ptxas cannot hoist the waits above it). Returns the state for CtaGemv.sums."""
     st = {}
     if fp4:
         assert issued is None, "NVFP4: a warp waiting in issued() could not decode before the wait"
@@ -344,13 +350,6 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
 def guarded_wait(zero: Int32):
     if zero == 0:  # always true at run time
         cute.arch.griddepcontrol_wait()
-
-
-def row_sums(fp4: bool, st, x, m, tid, tile: int = 8):
-    """The GEMV of this CTA's 16 rows for all tokens of the tile, after weights_then_wait: thread tid gets the
-    fp32 sums (times the global scale for NVFP4) of row tid % 16, tokens tid // 16 + 8 j, one per group j of
-    8 tokens (syncs the CTA)."""
-    return reduce_sums(fp4, st, partial_sums(fp4, st, x, m, tid, tile // 8), tid, tile)
 
 
 def partial_sums(fp4: bool, st, x, m, tid, groups: int):
@@ -389,7 +388,7 @@ def reduce_sums(fp4: bool, st, d, tid, tile: int):
 
 class CtaGemv:
     """The GEMV of one CTA for one weight format and token tile: `start` issues the weight slice and waits for
-    the predecessor (weights_then_wait), `sums` computes the rows (row_sums)."""
+    the predecessor (weights_then_wait), `sums` computes this CTA's 16 rows for all tokens of the tile."""
 
     def __init__(self, fp4: bool, tile: int, pre: int):
         self.fp4, self.tile, self.pre = fp4, tile, pre
@@ -398,8 +397,9 @@ class CtaGemv:
         return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
 
     def sums(self, st, x, m, tid, between=None):
-        """row_sums; between(), if given, runs after this thread's MMAs, before the warps' sums are added
-        (when the weight registers are free)."""
+        """After start: thread tid gets the fp32 sums (times the global scale for NVFP4) of row tid % 16,
+        tokens tid // 16 + 8 j, one per group j of 8 tokens (syncs the CTA). between(), if given, runs after
+        this thread's MMAs, before the warps' sums are added (when the weight registers are free)."""
         d = partial_sums(self.fp4, st, x, m, tid, self.tile // 8)
         if between is not None:
             between()

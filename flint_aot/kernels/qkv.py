@@ -55,11 +55,6 @@ R = core.ROWS
 K_PART = core.K // CLUSTER  # activations each CTA of a cluster copies for all 8
 
 
-def smem_row(fp4: bool) -> int:
-    """Row stride (elements) of the activations in shared memory, padded against bank conflicts."""
-    return core.K + (8 if fp4 else 32)
-
-
 class QkvKernel(Kernel):
     """The fused qkv kernel of one specialization; its compile-time configuration is set here, once."""
 
@@ -74,7 +69,7 @@ class QkvKernel(Kernel):
         self.prologue = spec.get("norm") == "prologue"
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
         self.groups = self.tile // 8  # of 8 tokens: one mma.sync N each
-        self.xrow = smem_row(self.fp4)
+        self.xrow = core.smem_row(self.fp4)
         self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
         # bytes each CTA of a q/k head receives over DSMEM: the 8 ranks' per-token sums of squares, and
         # (RoPE) the 16 x tile values of its rotation partner (rank ^ 4), as fp32
