@@ -20,6 +20,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 from loader.abi import GRID, MAX_M
 
 _C_TYPE = {cute.Pointer: "ptr", Int32: "i32", Int64: "i64", Float32: "f32"}
+_PTR = (BFloat16, 16)  # a pointer's element type and assumed alignment unless the kernel's ptr_types say else
 
 
 @dataclass
@@ -68,7 +69,7 @@ def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str
                 f"{kernel.__name__}({name}): {p.annotation!r} is not a flat parameter type the loader packs "
                 "(cute.Pointer, Int32, Int64, Float32)"
             )
-        out.append((name, typ, (ptr_types or {}).get(name, (BFloat16, 16))[1] if typ == "ptr" else 0))
+        out.append((name, typ, (ptr_types or {}).get(name, _PTR)[1] if typ == "ptr" else 0))
     return tuple(out)
 
 
@@ -78,7 +79,7 @@ def _placeholders(params, ptr_types: dict):
     out = []
     for i, (name, typ, _) in enumerate(params):
         if typ == "ptr":
-            dtype, align = ptr_types.get(name, (BFloat16, 16))
+            dtype, align = ptr_types.get(name, _PTR)
             out.append(make_ptr(dtype, 0x10000 * (i + 1), cute.AddressSpace.gmem, assumed_align=align))
         else:
             out.append({"i32": Int32(1), "i64": Int64(1), "f32": Float32(1e-6)}[typ])
