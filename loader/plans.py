@@ -112,7 +112,8 @@ def new(key: tuple, names: tuple, args: tuple, build, *extra):
     keep, same, renames = distinct(names, args)
     p = build(tuple(names[i] for i in keep), renames, *extra)
     ts = tuple(args[i] for i in keep)
-    checks.aligned(p.names, ts, [mask + 1 for mask in p.masks])
+    if any(map(operator.and_, map(Tensor.data_ptr, ts), p.masks)):
+        checks.aligned(p.names, ts, [mask + 1 for mask in p.masks])  # raises: names the tensor
     builds += 1
     if len(keep) > 1:
         p.take = operator.itemgetter(*keep)

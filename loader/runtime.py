@@ -259,15 +259,14 @@ class Launcher:
         parameter p takes consts[p] if given, else values[names.index(renames.get(p, p))]; the grid is the
         manifest's rule with `symbols`. align: the bytes of alignment this kernel needs of each of `names`.
         BundleError if the names do not cover the parameters; ValueError for a value outside its C type."""
-        key = (names, tuple(consts), tuple(sorted(renames.items())), tuple(symbols))
+        key = (names, *consts, "", *symbols, "", *renames.items())  # ("": the three parts' boundaries)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = self._layout(names, consts, renames, symbols)
-        get, const_values, align = layout
+        get, const_values, align, grid = layout
         fixed = const_values(consts)
         pack_into, buf, launch = self._struct.pack_into, self._buf, self.launch
-        grid = (symbols[g] if isinstance(g, str) else g for g in self.entry.grid)
-        dims = (*grid, self.entry.smem(symbols["M"]))  # the launch's grid and dynamic shared memory
+        dims = grid(symbols)  # the launch's grid and dynamic shared memory
         try:
             self._struct.pack(*get((0,) * len(names) + fixed))
         except struct.error:
@@ -305,7 +304,12 @@ class Launcher:
                               f"{REBUILD}")  # fmt: skip
         consts_in_order = operator.itemgetter(*const_names) if len(const_names) > 1 else (
             lambda d: tuple(map(d.__getitem__, const_names)))  # fmt: skip
-        return operator.itemgetter(*idx), consts_in_order, tuple(align)
+        g, smem = self.entry.grid, self.entry.smem
+
+        def grid(sym: dict) -> tuple:  # (grid x, y, z, dynamic shared memory bytes) from the manifest's rule
+            return (*(sym[d] if isinstance(d, str) else d for d in g), smem(sym["M"]))
+
+        return operator.itemgetter(*idx), consts_in_order, tuple(align), grid
 
     def _refuse(self, values: tuple) -> None:
         """ValueError naming the first value that does not fit its parameter's C type."""
