@@ -45,15 +45,16 @@ def _also(renames: dict, **params) -> dict:
     return {**renames, **{p: renames.get(name, name) for p, name in params.items()}}
 
 
-_ONE: dict = {}  # device -> a one-element bf16 tensor
+_OUT: dict = {}  # (device, m, n) -> an [m, n] bf16 view without memory: torch.empty_like of it allocates
 
 
 def _out(x: Tensor, m: int, n: int) -> Tensor:
-    """An [m, n] bf16 view on x's device without memory: torch.empty_like of it allocates an output."""
-    one = _ONE.get(x.device)
-    if one is None:
-        one = _ONE[x.device] = torch.empty(1, 1, dtype=BF16, device=x.device)
-    return one.expand(m, n)
+    """The view with an op's output shape, dtype and device (one per shape, kept: no tensor op per plan)."""
+    key = (x.get_device(), m, n)
+    t = _OUT.get(key)
+    if t is None:
+        t = _OUT[key] = torch.empty(1, 1, dtype=BF16, device=x.device).expand(m, n)
+    return t
 
 
 # ----------------------------------------------------------------------------- input norm
