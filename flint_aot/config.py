@@ -160,11 +160,16 @@ def validate(raw, source: str = "<config>") -> dict:
         }  # fmt: skip
         _stream(c, q, out["qkv"], "qkv")
     if "gemv" in raw:
-        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False, "debug_stream": False})
+        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False, "debug_stream": False,
+                                            "debug_cluster": False})  # fmt: skip
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
         tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
         out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
         _stream(c, g, out["gemv"], "gemv")
+        if "debug_cluster" in g:  # research: the GEMV launched in clusters it does not use (their cost)
+            if g["debug_cluster"] not in (2, 4, 8):
+                c.fail("gemv.debug_cluster", g["debug_cluster"], "2, 4 or 8")
+            out["gemv"]["debug_cluster"] = g["debug_cluster"]
     if "qk_norm_rope_cache" in raw:
         g = c.mapping(
             raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
@@ -285,7 +290,7 @@ def expand(config: dict) -> list[Specialization]:
             spec = abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)
             specs.append(("qkv", {**spec, **(dbg if tile == 8 else {})}))
     g = config.get("gemv", {})
-    dbg = {"debug_stream": g["debug_stream"]} if "debug_stream" in g else {}
+    dbg = {k: g[k] for k in ("debug_stream", "debug_cluster") if k in g}
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
         specs.append(("gemv", {**abi.gemv_spec(fmt, tile), **(dbg if tile == 8 else {})}))
     g = config.get("qk_norm_rope_cache", {})
