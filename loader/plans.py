@@ -110,16 +110,12 @@ def new(key: tuple, names: tuple, args: tuple, build, *extra):
     is checked here, against the plan's kernels. The plan is kept under key for later calls."""
     global builds
     keep, same, renames = distinct(names, args)
-    p = build(tuple(names[i] for i in keep), renames, *extra)
-    ts = tuple(args[i] for i in keep)
+    take = operator.itemgetter(*keep) if len(keep) > 1 else (lambda a, i=keep[0]: (a[i],))
+    p, ts = build(take(names), renames, *extra), take(args)
     if any(map(operator.and_, map(Tensor.data_ptr, ts), p.masks)):
         checks.aligned(p.names, ts, [mask + 1 for mask in p.masks])  # raises: names the tensor
     builds += 1
-    if len(keep) > 1:
-        p.take = operator.itemgetter(*keep)
-    else:
-        p.take = lambda a, i=keep[0]: (a[i],)
-    p.same = same
+    p.take, p.same = take, same
     if GUARDS:
         p.guard = _guard(ts)
         plans = runtime.thread_cache().setdefault(key, [])

@@ -263,12 +263,12 @@ class Launcher:
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = self._layout(names, consts, renames, symbols)
-        get, const_values, align, grid = layout
+        get, const_values, align, grid, const_struct = layout
         fixed = const_values(consts)
         pack_into, buf, launch = self._struct.pack_into, self._buf, self.launch
         dims = grid(symbols)  # the launch's grid and dynamic shared memory
         try:
-            self._struct.pack(*get((0,) * len(names) + fixed))
+            const_struct.pack(*fixed)
         except struct.error:
             self._refuse(get((0,) * len(names) + fixed))  # a const outside its C type: refused now
 
@@ -304,12 +304,16 @@ class Launcher:
                               f"{REBUILD}")  # fmt: skip
         consts_in_order = operator.itemgetter(*const_names) if len(const_names) > 1 else (
             lambda d: tuple(map(d.__getitem__, const_names)))  # fmt: skip
-        g, smem = self.entry.grid, self.entry.smem
+        g, smem, seen = self.entry.grid, self.entry.smem, {}
 
         def grid(sym: dict) -> tuple:  # (grid x, y, z, dynamic shared memory bytes) from the manifest's rule
-            return (*(sym[d] if isinstance(d, str) else d for d in g), smem(sym["M"]))
+            key = tuple(sym.values())  # (one tuple per distinct grid: a dictionary hit after the first)
+            return seen.get(key) or seen.setdefault(key, (*(sym[d] if isinstance(d, str) else d for d in g),
+                                                          smem(sym["M"])))  # fmt: skip
 
-        return operator.itemgetter(*idx), consts_in_order, tuple(align), grid
+        types = {p.name: _FORMAT[p.type] for p in self.entry.params}
+        const_struct = struct.Struct("<" + "".join(types[n] for n in const_names))  # the consts' C types
+        return operator.itemgetter(*idx), consts_in_order, tuple(align), grid, const_struct
 
     def _refuse(self, values: tuple) -> None:
         """ValueError naming the first value that does not fit its parameter's C type."""

@@ -243,3 +243,33 @@ def test_fake_implementations_give_the_shapes_at_every_m():
                                       "positions", "k_cache", "v_cache", "slot_mapping", "num_q_heads",
                                       "num_kv_heads")}  # fmt: skip
             assert torch.ops.flint.qk_norm_rope_cache(qkv, **head).shape == (m, 32 * 128)
+
+
+def test_a_value_outside_its_c_type_is_refused_when_bound_and_when_launched():
+    """Launcher.bind refuses a constant that does not fit its parameter's C type (naming it) before any
+    launch, and a run whose per-call value does not fit is refused the same way without launching; values
+    that fit are packed at their parameters' offsets, the grid evaluated from the manifest's rule."""
+    from loader import runtime
+    from loader.manifest import KernelEntry, Param
+
+    params = (Param("x", "ptr", 16), Param("m", "i32"), Param("stride", "i64"), Param("eps", "f32"))
+    entry = KernelEntry("gemv", "k", {}, "sm_90a", "k.cubin", 1, "0" * 64, "k", (128, 1, 1), (1, 1, 1), 0,
+                        ("ROW_BLOCKS", 1, 1), params, "b")  # fmt: skip
+    launched = []
+
+    class Dry(runtime.Launcher):
+        def launch(self, dims, stream, pdl):
+            launched.append((dims, self._struct.unpack(self._buf.raw[: self._struct.size])))
+
+    k = Dry(0, entry, 0, None)
+    sym = {"M": 3, "ROW_BLOCKS": 7}
+    with pytest.raises(ValueError, match="stride = 9223372036854775808 does not fit the kernel's i64"):
+        k.bind(("x", "eps"), sym, {"m": 3, "stride": 1 << 63}, {})
+    run, align = k.bind(("x", "eps"), sym, {"m": 3, "stride": -(1 << 40)}, {})
+    assert align == (16, 1) and not launched
+    run((0x1000, 0.5), 0, True)
+    assert launched == [((7, 1, 1, 0), (0x1000, 3, -(1 << 40), 0.5))]
+    with pytest.raises(ValueError, match="x = -1 does not fit the kernel's ptr"):
+        run((-1, 0.5), 0, True)
+    assert len(launched) == 1
+    assert k._struct.format == "<Qixxxxqf"  # natural C alignment: 4 bytes of padding before the i64
