@@ -67,9 +67,6 @@ class QkvKernel(Kernel):
         self.nq, self.nkv = spec["heads"]
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
         self.prologue = spec.get("norm") == "prologue"
-        # research (spec key debug_norm: local): every CTA computes all 8 slices of the input norm itself,
-        # from x and the residual in L2, instead of one slice sent to its 7 peers
-        self.local_norm = spec.get("debug_norm") == "local"
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
         self.groups = self.tile // 8  # of 8 tokens: one mma.sync N each
         self.xrow = core.smem_row(self.fp4)
@@ -164,8 +161,6 @@ class QkvKernel(Kernel):
             act_bytes = a.m * (core.K * 2)  # the multicast copies of x
             if cutlass.const_expr(self.prologue):  # the 7 peers' slices of r, the 8 slices' sums of squares
                 act_bytes = a.m * ((CLUSTER - 1) * K_PART * 2 + CLUSTER * 4)
-            if cutlass.const_expr(self.local_norm):  # (nothing arrives: the phase completes at once)
-                act_bytes = a.m * 0
             cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes)
             if not t.is_v:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.rx_bytes)
@@ -296,26 +291,17 @@ class QkvKernel(Kernel):
         cute.arch.cluster_wait()
         cute.arch.griddepcontrol_wait()
         warp, lane, _, _ = device.lanes(t.tid)
-        if cutlass.const_expr(self.local_norm):  # (token, slice) units warp, warp + 4, ...: all 8 slices here
-            for unit in range(warp, a.m * CLUSTER, core.WARPS):
-                tok, sl = unit // CLUSTER, unit % CLUSTER
-                c = sl * K_PART + lane * NORM_VEC
+        col = t.rank * K_PART + lane * NORM_VEC  # this lane's chunk of the CTA's slice
+        for j in range(self.tile // core.WARPS):  # token warp + 4 j
+            tok = warp + j * core.WARPS
+            if tok < a.m:
                 if a.has_residual != 0:
-                    self.norm_slice(a, t, s, tok, c, lane, True, sl)
+                    self.norm_slice(a, t, s, tok, col, lane, True)
                 else:
-                    self.norm_slice(a, t, s, tok, c, lane, False, sl)
-        else:
-            col = t.rank * K_PART + lane * NORM_VEC  # this lane's chunk of the CTA's slice
-            for j in range(self.tile // core.WARPS):  # token warp + 4 j
-                tok = warp + j * core.WARPS
-                if tok < a.m:
-                    if a.has_residual != 0:
-                        self.norm_slice(a, t, s, tok, col, lane, True)
-                    else:
-                        self.norm_slice(a, t, s, tok, col, lane, False)
+                    self.norm_slice(a, t, s, tok, col, lane, False)
 
     @cute.jit
-    def norm_slice(self, a, t, s, tok, col, lane, res: cutlass.Constexpr, sl=None):
+    def norm_slice(self, a, t, s, tok, col, lane, res: cutlass.Constexpr):
         """norm_slices' part of one token in one warp: this lane's chunk of r, the warp's sum of squares; r
         kept in xs and sent to the 7 peers, the sum to all 8 (lane d to rank d)."""
         off = cute.assume(tok * core.K + col, divby=NORM_VEC)
@@ -328,24 +314,15 @@ class QkvKernel(Kernel):
         rb = r.to(BFloat16)
         if cutlass.const_expr(res):
             if t.head == 0:
-                if cutlass.const_expr(sl is None):
-                    device.store_vec(a.residual_out + off, rb, NORM_VEC)
-                elif sl == t.rank:  # (local: rank r of the first head writes slice r)
-                    device.store_vec(a.residual_out + off, rb, NORM_VEC)
+                device.store_vec(a.residual_out + off, rb, NORM_VEC)
         xo = cute.assume(tok * self.xrow + col, divby=NORM_VEC)
         device.store_vec(s.xs + xo, rb, NORM_VEC)
-        if cutlass.const_expr(sl is not None):  # local: the slice's sum into this CTA's own table
-            idx = sl * self.tile + tok
-            if lane == 0:
-                device.put(s.ssn, idx, ss)
-        else:
-            words = device.load_vec(cute.recast_ptr(s.xs + xo, dtype=Int32), 4)  # (this thread's own store)
-            for d in range(1, CLUSTER):
-                cute.arch.store_async_dsmem(s.xs + xo, (words[0], words[1], words[2], words[3]), s.mbx,
-                                            (t.rank + d) % CLUSTER)  # fmt: skip
-            if lane < CLUSTER:  # lane d sends the slice's sum to rank d
-                cute.arch.store_async_dsmem(s.ssn + (t.rank * self.tile + tok), device.f32_bits(ss), s.mbx,
-                                            lane)  # fmt: skip
+        words = device.load_vec(cute.recast_ptr(s.xs + xo, dtype=Int32), 4)  # (this thread's own store)
+        for d in range(1, CLUSTER):
+            cute.arch.store_async_dsmem(s.xs + xo, (words[0], words[1], words[2], words[3]), s.mbx,
+                                        (t.rank + d) % CLUSTER)  # fmt: skip
+        if lane < CLUSTER:  # lane d sends the slice's sum to rank d
+            cute.arch.store_async_dsmem(s.ssn + (t.rank * self.tile + tok), device.f32_bits(ss), s.mbx, lane)
 
     @cute.jit
     def input_norm(self, a, t, s):
