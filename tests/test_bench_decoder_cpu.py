@@ -1,0 +1,47 @@
+"""benchmarks/bench_decoder.py runs its torch variants on the CPU (a smoke test of the script: the model,
+the attention input written in torch ops, torch.compile of it, the tables), and its torch attention input
+writes the new tokens' k and v into their own cache slots and nowhere else."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+_CXX = shutil.which("g++") or shutil.which("c++")
+
+
+@pytest.mark.skipif(not _CXX, reason="torch.compile on the CPU needs a C++ compiler")
+def test_bench_decoder_runs_on_cpu():
+    args = ["--device", "cpu", "--layers", "1", "--m", "2", "--ctx", "32"]
+    r = subprocess.run([sys.executable, "benchmarks/bench_decoder.py", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| torch eager | nan |" in r.stdout and "| torch.compile | nan |" in r.stdout
+    assert "M=2 torch.compile: final hidden state within" in r.stdout
+
+
+def test_torch_attention_input_writes_its_slots_and_no_other():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_decoder as bd
+
+    md = bd.Model(3, 32, 1, "cpu")
+    w = md.layers[0]
+    kc0, vc0 = md.kc[0].clone(), md.vc[0].clone()
+    q, r = bd.torch_attn_input(md.x, md.residual, w["in_norm"], w["qkv"], w["q_norm"], w["k_norm"],
+                               md.cos_sin, md.positions, md.kc[0], md.vc[0], md.slots)  # fmt: skip
+    assert q.shape == (3, bd.NQ * bd.D) and torch.equal(r, md.x + md.residual)
+    changed = (md.kc[0] != kc0).flatten(1).any(1) | (md.vc[0] != vc0).flatten(1).any(1)
+    assert changed.nonzero().flatten().tolist() == sorted((md.slots // bd.BLOCK).tolist())
+    slots = md.slots.tolist()
+    flat_k = md.kc[0].view(-1, bd.NKV, bd.D)
+    untouched = [s for s in range(flat_k.shape[0]) if s not in slots]
+    assert torch.equal(flat_k[untouched], kc0.view(-1, bd.NKV, bd.D)[untouched])
+    # the v rows written are the projection's v part, unnormalised
+    xn = torch.nn.functional.rms_norm(r, (bd.H,), w["in_norm"], bd.EPS)
+    v = (xn @ w["qkv"].t())[:, (bd.NQ + bd.NKV) * bd.D :].view(3, bd.NKV, bd.D)
+    assert torch.equal(md.vc[0].view(-1, bd.NKV, bd.D)[slots], v)
