@@ -50,7 +50,7 @@ _OUT: dict = {}  # (device, m, n) -> an [m, n] bf16 view without memory: torch.e
 
 def _out(x: Tensor, m: int, n: int) -> Tensor:
     """The view with an op's output shape, dtype and device (one per shape, kept: no tensor op per plan)."""
-    t = _OUT.get(key := (x.get_device(), m, n))
+    t = _OUT.get(key := (x.device, m, n))
     if t is None:
         t = _OUT[key] = torch.empty(1, 1, dtype=BF16, device=x.device).expand(m, n)
     return t
