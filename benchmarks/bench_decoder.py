@@ -24,7 +24,6 @@ scaled_dot_product_attention with GQA), o_proj, residual add + post-attention RM
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -148,31 +147,6 @@ def variants(compiled):
     return out
 
 
-def graph_ms(fn, reps: int = 20) -> float:
-    """Median ms of one replay of a CUDA graph of fn (warmed up eagerly on the capture stream first)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", nargs="*", type=int, default=[1, 4, 8, 16])
@@ -184,7 +158,7 @@ def main():
     a = ap.parse_args()
     cuda = a.device == "cuda"
     if cuda:
-        from bench_qkv import copy_bandwidth  # (benchmarks/ is the script's directory)
+        from bench_qkv import copy_bandwidth, median_graph_us  # (benchmarks/ is the script's directory)
 
         import loader
 
@@ -203,7 +177,9 @@ def main():
                 import loader
 
                 with loader.launch_options(**(opts or {})):
-                    table[m, name] = graph_ms(lambda fn=fn, md=md: md.step(fn))
+                    md.step(fn)  # (a first eager step: torch.compile compiles here, before any capture)
+                    # median µs of a replay of the whole step's graph (one more eager step first) -> ms
+                    table[m, name] = median_graph_us(lambda fn=fn, md=md: md.step(fn), 1) / 1e3
                     finals[name] = md.step(fn).float()
             else:
                 finals[name] = md.step(fn).float()
