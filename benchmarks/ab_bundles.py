@@ -15,20 +15,9 @@ without the norm, the cluster and the epilogue.
 import argparse
 
 import torch
-from bench_qkv import LayerChain, median_graph_us  # (benchmarks/ is the script's directory)
+from bench_qkv import LayerChain, gemv_layers, median_graph_us  # (benchmarks/ is the script's directory)
 
 import loader
-
-
-def gemv_fn(chain: LayerChain, m: int):
-    """Every layer's weights through loader.gemv once, for m tokens."""
-    x = torch.randn(m, 2048, device="cuda").bfloat16()
-
-    def run():
-        for w, wsc, gs in chain.ws:
-            loader.gemv(x, w, wsc, gs)
-
-    return run
 
 
 def results(chain: LayerChain, op: str, m: int, design: str) -> list:
@@ -69,7 +58,7 @@ def main():
         for fmt in args.fmt:
             chain = LayerChain(nq, nkv, fmt)
             for m, op in ((m, op) for m in args.m for op in args.op):
-                fn = chain.fn(m) if op == "qkv" else gemv_fn(chain, m)
+                fn = chain.fn(m) if op == "qkv" else gemv_layers(chain.ws, m)
                 times, same = {}, {}
                 for b in args.bundles:  # results of one pass, against the first bundle's
                     loader.load_bundle(b)

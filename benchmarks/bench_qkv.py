@@ -68,17 +68,29 @@ def copy_bandwidth():
 
 
 def make_weights(fmt, n, layers):
-    """Distinct weights per layer: bf16 [N, K]; or NVFP4 random codes, e4m3 scales in [2^-3, 2^2), gs 0.01."""
+    """Distinct weights per layer: bf16 [N, K]; or NVFP4 random codes, e4m3 scales in [2^-3, 2^2) (their rows
+    padded to a multiple of 128, as the swizzled layout has them), gs 0.01."""
     if fmt == "bf16":
         return [((torch.randn(n, K, device="cuda") * 0.02).bfloat16(), None, None) for _ in range(layers)]
     gs = torch.tensor([0.01], device="cuda")
     out = []
     for _ in range(layers):
         codes = torch.randint(0, 256, (n, K // 2), dtype=torch.uint8, device="cuda")
-        sc = torch.randint(0x18, 0x38, (n, K // 16), dtype=torch.uint8, device="cuda")
+        sc = torch.randint(0x18, 0x38, (-(-n // 128) * 128, K // 16), dtype=torch.uint8, device="cuda")
         sc = sc.view(torch.float8_e4m3fn)
         out.append((codes, sc, gs))
     return out
+
+
+def gemv_layers(ws, m: int):
+    """A function running loader.gemv once over each layer's weights ws [(w, scales, gs)], for m tokens."""
+    x = torch.randn(m, K, device="cuda").bfloat16()
+
+    def run():
+        for w, wsc, gs in ws:
+            loader.gemv(x, w, wsc, gs)
+
+    return run
 
 
 class LayerChain:

@@ -10,7 +10,7 @@ byte than one that does (BENCHMARKS.md §0.6, "an even load").
 import argparse
 
 import torch
-from bench_qkv import TARGET_BYTES, copy_bandwidth, make_weights, median_graph_us  # (benchmarks/ on sys.path)
+from bench_qkv import TARGET_BYTES, copy_bandwidth, gemv_layers, make_weights, median_graph_us  # (script dir)
 
 import loader
 
@@ -34,17 +34,8 @@ def main():
             wbytes = n * K * 2 if fmt == "bf16" else n * K // 2 + n * K // 16
             layers = max(8, int(TARGET_BYTES // wbytes))
             ws = make_weights(fmt, n, layers)
-            if fmt == "nvfp4":  # scale rows padded to a multiple of 128 (the swizzled layout's tiles)
-                pad = -(-n // 128) * 128
-                ws = [(c, torch.cat([sc, sc[: pad - n]]) if pad > n else sc, gs) for c, sc, gs in ws]
             for m in a.m:
-                x = torch.randn(m, K, device="cuda").bfloat16()
-
-                def run(ws=ws, x=x):
-                    for w, wsc, gs in ws:
-                        loader.gemv(x, w, wsc, gs)
-
-                us = median_graph_us(run, layers)
+                us = median_graph_us(gemv_layers(ws, m), layers)
                 ctas, tbs = n // 16, wbytes / us / 1e6
                 rows.append(f"| {fmt} | {n} | {ctas} | {ctas / SMS:.2f} | {m} | {us:.2f} | {tbs:.2f} | "
                             f"{tbs / (bw / 1e12) * 100:.0f}% |")  # fmt: skip
