@@ -29,6 +29,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_qkv import copy_bandwidth, median_graph_us  # (benchmarks/ is the script's directory)
+
+import loader
+from loader.reference import make_cos_sin_cache
 
 H, NQ, NKV, D, INTER, LAYERS, BLOCK = 2048, 16, 8, 128, 6144, 28, 16
 EPS = 1e-6
@@ -57,8 +61,6 @@ class Model:
         self.vc = [r(m * nblk, BLOCK, NKV, D, scale=1.0) for _ in range(layers)]
         self.positions = torch.full((m,), ctx - 1, device=device)
         self.slots = self.tables[:, -1] * BLOCK + (ctx - 1) % BLOCK  # position ctx - 1 of each sequence
-        from loader.reference import make_cos_sin_cache
-
         self.cos_sin = make_cos_sin_cache(4096, device=device)
         self.x = r(m, H, scale=1.0)
         self.residual = r(m, H, scale=1.0)
@@ -111,15 +113,11 @@ def variants(compiled):
 
     def flint(md, i, x, res):
         w = md.layers[i]
-        import loader
-
         return loader.flint_qkv_fused(x, res, w["in_norm"], EPS, w["qkv"], None, None, w["q_norm"],
                                       w["k_norm"], EPS, md.cos_sin, md.positions, md.kc[i], md.vc[i],
                                       md.slots, NQ, NKV)  # fmt: skip
 
     def unfused(md, i, x, res):
-        import loader
-
         w = md.layers[i]
         xn, r = loader.fused_add_rms_norm(x, res, w["in_norm"], EPS)
         qkv = loader.gemv(xn, w["qkv"])
@@ -158,10 +156,6 @@ def main():
     a = ap.parse_args()
     cuda = a.device == "cuda"
     if cuda:
-        from bench_qkv import copy_bandwidth, median_graph_us  # (benchmarks/ is the script's directory)
-
-        import loader
-
         loader.load_bundle(a.bundle)
         print(f"device copy bandwidth: {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
     compiled = torch.compile(torch_attn_input, fullgraph=True, dynamic=False)
@@ -174,8 +168,6 @@ def main():
                 continue  # the flint variants need the GPU
             t0 = time.perf_counter()
             if cuda:
-                import loader
-
                 with loader.launch_options(**(opts or {})):
                     md.step(fn)  # (a first eager step: torch.compile compiles here, before any capture)
                     # median µs of a replay of the whole step's graph (one more eager step first) -> ms
