@@ -156,14 +156,10 @@ def validate(raw, source: str = "<config>") -> dict:
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
         }  # fmt: skip
     if "gemv" in raw:
-        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False, "debug_rows": False})
+        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
         tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
         out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
-        if "debug_rows" in g:  # research: 8 weight rows per CTA, twice the CTAs (an even load per SM)
-            if g["debug_rows"] != 8:
-                c.fail("gemv.debug_rows", g["debug_rows"], "8")
-            out["gemv"]["debug_rows"] = 8
     if "qk_norm_rope_cache" in raw:
         g = c.mapping(
             raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
@@ -271,9 +267,8 @@ def expand(config: dict) -> list[Specialization]:
         for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
             specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
     g = config.get("gemv", {})
-    dbg = {"debug_rows": g["debug_rows"]} if "debug_rows" in g else {}
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
-        specs.append(("gemv", {**abi.gemv_spec(fmt, tile), **(dbg if tile == 8 else {})}))
+        specs.append(("gemv", abi.gemv_spec(fmt, tile)))
     g = config.get("qk_norm_rope_cache", {})
     for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
         specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))

@@ -79,7 +79,7 @@ def spec_name(kind: str, spec: dict) -> str:
         pro = "_prologue" if spec.get("norm") == "prologue" else ""
         return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}"
     if kind == "gemv":
-        return f"gemv_{spec['weight_format']}{tile}" + ("_rows8" if "debug_rows" in spec else "")
+        return f"gemv_{spec['weight_format']}{tile}"
     if kind == "qk_norm_rope_cache":
         return f"qk_norm_rope_cache_rope{int(spec['rope'])}{kv}"
     raise ValueError(f"unknown kernel kind {kind!r}; known: {', '.join(KINDS)}")

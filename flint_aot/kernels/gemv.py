@@ -26,18 +26,16 @@ class GemvKernel(Kernel):
     def __init__(self, spec: dict):
         self.fp4 = spec["weight_format"] == "nvfp4"
         self.tile = spec.get("max_m", 8)
-        self.rows = spec.get("debug_rows", core.ROWS)  # research: 8 rows per CTA, grid y = 2 halves of 16
-        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV, self.rows)
-        self.grid = ("ROW_BLOCKS", 2, 1) if self.rows == 8 else None
+        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV)
         self.xrow = core.smem_row(self.fp4)
         self.dyn_smem_per_m = self.xrow * 2 if self.tile > 8 else 0
-        self.min_ctas_per_sm = 3 if self.tile > 8 else (0 if self.fp4 else 5) if self.rows == 8 else 0
+        self.min_ctas_per_sm = 3 if self.tile > 8 else 0
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, weight: cute.Pointer, weight_scale: cute.Pointer,
                global_scale: cute.Pointer, y: cute.Pointer, m: Int32, n: Int32):  # fmt: skip
         tid, _, _ = cute.arch.thread_idx()
-        cta, half, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.tile > 8):
             xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
@@ -50,15 +48,10 @@ class GemvKernel(Kernel):
                 copy()
             sums = self.gemv.sums(st, core.SharedX(xs, self.xrow, mbx), m, tid)
         else:
-            row0 = cta * core.ROWS + half * 8 if cutlass.const_expr(self.rows == 8) else cta * core.ROWS
-            st = self.gemv.start(weight, weight_scale, global_scale, row0, tid, m)
+            st = self.gemv.start(weight, weight_scale, global_scale, cta * core.ROWS, tid, m)
             sums = self.gemv.sums(st, x, m, tid)
         for i in cutlass.range_constexpr(len(sums)):
-            tk = tid // core.ROWS + 8 * i if i else tid // core.ROWS
-            if cutlass.const_expr(self.rows == 8):
-                self.store_half(y, sums[i], tk, tid, cta * core.ROWS + half * 8, m, n)
-            else:
-                self.store(y, sums[i], tk, tid, cta, m, n)
+            self.store(y, sums[i], tid // core.ROWS + 8 * i if i else tid // core.ROWS, tid, cta, m, n)
 
     @cute.jit
     def expect_rows(self, tid, m, mbx):
@@ -81,14 +74,6 @@ class GemvKernel(Kernel):
         """y[tk, 16 cta + tid % 16] = bf16(s), for tokens tk < m."""
         if tk < m:
             yt = cute.make_tensor(y + (tk * n + cta * core.ROWS), cute.make_layout(core.ROWS))
-            yt[tid % core.ROWS] = s.to(BFloat16)
-
-    @cute.jit
-    def store_half(self, y, s, tk, tid, row0, m, n):
-        """8-row CTAs: y[tk, row0 + tid % 16] = bf16(s) for tokens tk < m and tid % 16 < 8 (rows 8..15 of the
-        MMA repeat rows 0..7)."""
-        if tk < m and tid % core.ROWS < 8:
-            yt = cute.make_tensor(y + (tk * n + row0), cute.make_layout(8))
             yt[tid % core.ROWS] = s.to(BFloat16)
 
     def ptr_types(self) -> dict:

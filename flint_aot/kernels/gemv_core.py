@@ -65,13 +65,10 @@ def as_f32(i):
     return Float32(llvm.bitcast(Float32.mlir_type, i.ir_value()))
 
 
-def issue_weight_loads(w, row0, tid, rows: int = ROWS):
-    """Issue all of this thread's weight loads (32 x 16 B); returns [(lo, hi)] per k block. rows 8 (research:
-    8-row CTAs): row g only, fed to the MMA as both of its rows."""
+def issue_weight_loads(w, row0, tid):
+    """Issue all of this thread's weight loads (32 x 16 B); returns [(lo, hi)] per k block."""
     warp, _, g, t = lanes(tid)
     wa = w + ((row0 + g) * K + warp * (NB * 32) + t * 8)
-    if rows == 8:
-        return [(v, v) for v in (ld_weight(wa + b * 32) for b in range(NB))]
     return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * K + b * 32))) for b in range(NB)]
 
 
@@ -204,13 +201,12 @@ def ld_weight_b32(ptr):
     )
 
 
-def issue_fp4_loads(wq, sf, row0, tid, rows: int = ROWS):
+def issue_fp4_loads(wq, sf, row0, tid):
     """This thread's code and scale loads, rows g and g + 8: (codes[2][16 words], scales[2][4 words]);
-    scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2). rows 8 (research:
-    8-row CTAs): row g only, given as both (the same lists)."""
+    scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2)."""
     warp, _, g, t = lanes(tid)
     codes, scales = [], []
-    for r in (row0 + g,) if rows == 8 else (row0 + g, row0 + g + 8):
+    for r in (row0 + g, row0 + g + 8):
         a = wq + (r * KB + warp * (KB // WARPS) + t * 16)
         words = []
         for c in range(FP4_CHUNKS):
@@ -221,7 +217,7 @@ def issue_fp4_loads(wq, sf, row0, tid, rows: int = ROWS):
         grp = (r // 128) * (SCALE_COLS // 4) + warp * 8 + t // 2
         s = sf + (grp * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4)
         scales.append([ld_weight_b32(s + 1024 * c) for c in range(FP4_CHUNKS)])
-    return (codes * 2, scales * 2) if rows == 8 else (codes, scales)
+    return codes, scales
 
 
 def fp4_scale_pair(word, tid):
@@ -276,9 +272,6 @@ def fp4_decode_rows(codes, scales, words, tid):
     """Decoded bf16x2 for the given word indices of both rows: D[row][i] = 4 registers."""
     out = []
     for row in range(2):
-        if row and codes[1] is codes[0]:  # (8-row CTAs: one row, decoded once)
-            out.append(out[0])
-            continue
         sc = {}
         d = {}
         for i in words:
@@ -322,8 +315,7 @@ def fp4_mma_partials(D, x, m, tid, groups: int = 1):
 
 # ----------------------------------------------------------------------------- the GEMV of one CTA
 # The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
-def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None,
-                      rows: int = ROWS):
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None):
     """Issue this CTA's whole weight slice (NVFP4: codes, scales and the decode of `pre` of 16 words), then
     griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
     neither sink the loads below the wait nor hoist the wait above them). BF16: issued(), if given, runs
@@ -332,26 +324,23 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
     st = {}
     if fp4:
         assert issued is None, "NVFP4: a warp waiting in issued() could not decode before the wait"
-        codes, scw = issue_fp4_loads(w, wsc, row0, tid, rows)
+        codes, scw = issue_fp4_loads(w, wsc, row0, tid)
         st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
         st["D"] = fp4_decode_rows(codes, scw, range(pre), tid)
         st["codes"], st["scw"], st["pre"] = codes, scw, pre
-        n = 1 if codes[1] is codes[0] else 2  # (8-row CTAs: a register twice would cancel in the guard)
         flat = scw[0][pre // 4 :] + scw[1][pre // 4 :] + codes[0][pre:] + codes[1][pre:]
-        if n == 1:
-            flat = scw[0][pre // 4 :] + codes[0][pre:]
-        for row in st["D"][:n]:
+        for row in st["D"]:
             for regs in row.values():
                 flat.extend(regs)
     else:
-        st["A"] = issue_weight_loads(w, row0, tid, rows)
+        st["A"] = issue_weight_loads(w, row0, tid)
         flat = []
         if issued is not None:
             issued()
             flat.append(Int32(cute.arch.clock64()))  # the guard's chain starts after issued()
         for lo, hi in st["A"]:
             flat.extend(lo)
-            flat.extend(hi if hi is not lo else ())
+            flat.extend(hi)
     st["zero"] = runtime_zero(flat, m)
     guarded_wait(st["zero"])
     return st
@@ -401,11 +390,11 @@ class CtaGemv:
     """The GEMV of one CTA for one weight format and token tile: `start` issues the weight slice and waits for
     the predecessor (weights_then_wait), `sums` computes this CTA's 16 rows for all tokens of the tile."""
 
-    def __init__(self, fp4: bool, tile: int, pre: int, rows: int = ROWS):
-        self.fp4, self.tile, self.pre, self.rows = fp4, tile, pre, rows
+    def __init__(self, fp4: bool, tile: int, pre: int):
+        self.fp4, self.tile, self.pre = fp4, tile, pre
 
     def start(self, w, wsc, gsc, row0, tid, m, issued=None):
-        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, self.rows)
+        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
 
     def sums(self, st, x, m, tid, between=None):
         """After start: thread tid gets the fp32 sums (times the global scale for NVFP4) of row tid % 16,
