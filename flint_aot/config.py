@@ -156,10 +156,14 @@ def validate(raw, source: str = "<config>") -> dict:
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
         }  # fmt: skip
     if "gemv" in raw:
-        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
+        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False, "debug_ksplit": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
         tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
         out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
+        if "debug_ksplit" in g:  # research: each row block's K split over a cluster of 2 CTAs
+            if g["debug_ksplit"] != 2:
+                c.fail("gemv.debug_ksplit", g["debug_ksplit"], "2")
+            out["gemv"]["debug_ksplit"] = 2
     if "qk_norm_rope_cache" in raw:
         g = c.mapping(
             raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
@@ -267,8 +271,9 @@ def expand(config: dict) -> list[Specialization]:
         for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
             specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
     g = config.get("gemv", {})
+    dbg = {"debug_ksplit": g["debug_ksplit"]} if "debug_ksplit" in g else {}
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
-        specs.append(("gemv", abi.gemv_spec(fmt, tile)))
+        specs.append(("gemv", {**abi.gemv_spec(fmt, tile), **(dbg if tile == 8 else {})}))
     g = config.get("qk_norm_rope_cache", {})
     for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
         specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))
