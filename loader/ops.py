@@ -23,7 +23,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 _compiling = torch.compiler.is_compiling
 _options = runtime._options.get  # this thread's LaunchOptions
 _data_ptr = Tensor.data_ptr
-_plan, _new = plans.get, plans.new
+_plan = plans.get
 _launcher = runtime.launcher  # (tests replace it)
 
 
@@ -35,8 +35,8 @@ def _rows(x) -> int:
         return 0
 
 
-def _misaligned(*new_args) -> None:
-    _new(*new_args)  # a data pointer is misaligned: the full checks raise the error that names it
+def _misaligned(p: plans.Plan, ts: tuple) -> None:
+    checks.aligned(p.names, ts, [mask + 1 for mask in p.masks])  # a data pointer is misaligned: names it
     raise AssertionError("a misaligned data pointer passed the checks")
 
 
@@ -48,9 +48,9 @@ def _also(renames: dict, **params) -> dict:
 _OUT: dict = {}  # (device, m, n) -> an [m, n] bf16 view without memory: torch.empty_like of it allocates
 
 
-def _out(x: Tensor, m: int, n: int) -> Tensor:
-    """The view with an op's output shape, dtype and device (one per shape, kept: no tensor op per plan)."""
-    t = _OUT.get(key := (x.device, m, n))
+def _out(x: Tensor, dev: int, m: int, n: int) -> Tensor:
+    """The view with an op's output shape, dtype and device (x's), kept per shape: no tensor op per plan."""
+    t = _OUT.get(key := (dev, m, n))
     if t is None:
         t = _OUT[key] = torch.empty(1, 1, dtype=BF16, device=x.device).expand(m, n)
     return t
@@ -83,7 +83,7 @@ def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
     p, ts = _plan(key, _NORM, args, _norm_plan, args, residual is not None)
     P = tuple(map(_data_ptr, ts))
     if any(map(and_, P, p.masks)):
-        _misaligned(key, _NORM, args, _norm_plan, args, residual is not None)
+        _misaligned(p, ts)
     xn = torch.empty_like(x)
     res_out = x if residual is None else torch.empty_like(x)
     p.launches[0](P + (res_out.data_ptr(), xn.data_ptr(), e), _raw_stream(p.dev), _options().pdl)
@@ -197,10 +197,10 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     kv, consts, stage = _stage(m, nkv, dev, *head)
     if fmt == "bf16":
         consts.update(weight_scale=0, global_scale=0)  # (a BF16 kernel reads no scale)
-    symbols = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}
-    k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, abi.m_tiles(m)[0]),
+    symbols, tile = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}, abi.m_tiles(m)[0]
+    k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, tile),
                   lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, prefer))  # fmt: skip
-    p = plans.Plan(dev, (), out=_out(x, m, nq * HEAD_DIM), stage=stage, names=names)
+    p = plans.Plan(dev, (), out=_out(x, dev, m, nq * HEAD_DIM), stage=stage, names=names)
     if k.entry.spec["norm"] == "prologue":  # one kernel, the input norm in its prologue
         c = dict(consts, has_residual=int(has_res), **({} if has_res else {"residual": 0}))
         launches = [(k, symbols, c, renames)]
@@ -212,7 +212,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
         launches = [norm, (k, symbols, c, _also(renames, x="xn"))]
     plans.bind(p, names + _QKV_VALUES, launches)
     if prefer is _EAGER:  # a capture would run the other design (loaded at the first capture)
-        graph = runtime.entry(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, _GRAPH, abi.m_tiles(m)[0]),
+        graph = runtime.entry(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, _GRAPH, tile),
                               lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, _GRAPH))  # fmt: skip
         p.graph = graph is not k.entry
     return p
@@ -249,7 +249,7 @@ def flint_qkv_fused(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps
         p, ts = _plan(key, _QKV, args, _qkv_plan, args, nq, nkv, _GRAPH)
     P = tuple(map(_data_ptr, ts))
     if any(map(and_, P, p.masks)):
-        _misaligned(key, _QKV, args, _qkv_plan, args, nq, nkv, key[-1])
+        _misaligned(p, ts)
     s = p.stage
     if (s.placeholder or opts.bounds_check or v_cache.data_ptr() - k_cache.data_ptr() not in s.deltas
             or s.fp8 and not checks.scales_seen(k_scale, v_scale)):  # fmt: skip
@@ -275,7 +275,7 @@ def _gemv_plan(names, renames, args) -> plans.Plan:
     fmt, n = checks.weight(weight, weight_scale, global_scale, dev, None)
     tiles = abi.m_tiles(m)
     k = _launcher(dev, "gemv", (fmt, tiles[0]), lambda: [abi.gemv_spec(fmt, t) for t in tiles])
-    p = plans.Plan(dev, (), out=_out(x, m, n), names=names)
+    p = plans.Plan(dev, (), out=_out(x, dev, m, n), names=names)
     consts = dict(m=m, n=n, **({"weight_scale": 0, "global_scale": 0} if fmt == "bf16" else {}))
     plans.bind(p, names + ("y",), [(k, {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA}, consts, renames)])
     return p
@@ -294,7 +294,7 @@ def gemv(x: Tensor, weight: Tensor, weight_scale: Tensor | None = None,
     p, ts = _plan(key, _GEMV, args, _gemv_plan, args)
     P = tuple(map(_data_ptr, ts))
     if any(map(and_, P, p.masks)):
-        _misaligned(key, _GEMV, args, _gemv_plan, args)
+        _misaligned(p, ts)
     y = torch.empty_like(p.out)
     p.launches[0](P + (y.data_ptr(),), _raw_stream(p.dev), _options().pdl)
     return y
@@ -310,7 +310,7 @@ def _qknrc_plan(names, renames, args, nq, nkv) -> plans.Plan:
     kv, consts, stage = _stage(m, nkv, dev, *head)
     rope = stage.rope
     k = _launcher(dev, "qk_norm_rope_cache", (rope, kv), lambda: abi.qk_norm_rope_cache_spec(rope, kv))
-    p = plans.Plan(dev, (), out=_out(qkv, m, nq * HEAD_DIM), stage=stage, names=names)
+    p = plans.Plan(dev, (), out=_out(qkv, dev, m, nq * HEAD_DIM), stage=stage, names=names)
     consts.update(num_q_heads=nq, num_kv_heads=nkv)
     plans.bind(p, names + ("q", "qk_eps"), [(k, {"M": m, "HEADS": nq + 2 * nkv}, consts, renames)])
     return p
@@ -337,7 +337,7 @@ def qk_norm_rope_cache(qkv: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor
     p, ts = _plan(key, _QKNRC, args, _qknrc_plan, args, nq, nkv)
     P = tuple(map(_data_ptr, ts))
     if any(map(and_, P, p.masks)):
-        _misaligned(key, _QKNRC, args, _qknrc_plan, args, nq, nkv)
+        _misaligned(p, ts)
     s = p.stage
     if (s.placeholder or opts.bounds_check or v_cache.data_ptr() - k_cache.data_ptr() not in s.deltas
             or s.fp8 and not checks.scales_seen(k_scale, v_scale)):  # fmt: skip

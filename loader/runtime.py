@@ -255,15 +255,15 @@ class Launcher:
         return cfg
 
     def bind(self, names: tuple, symbols: dict, consts: dict, renames: dict) -> tuple:
-        """(run, align) for one plan. run(values, stream, pdl) packs the parameters by name and launches:
+        """(run, masks) for one plan. run(values, stream, pdl) packs the parameters by name and launches:
         parameter p takes consts[p] if given, else values[names.index(renames.get(p, p))]; the grid is the
-        manifest's rule with `symbols`. align: the bytes of alignment this kernel needs of each of `names`.
+        manifest's rule with `symbols`. masks: the alignment this kernel needs of each of `names`, minus 1.
         BundleError if the names do not cover the parameters; ValueError for a value outside its C type."""
         key = (names, *consts, "", *symbols, "", *renames.items())  # ("": the three parts' boundaries)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = self._layout(names, consts, renames, symbols)
-        get, const_values, align, grid, const_struct = layout
+        get, const_values, masks, grid, const_struct = layout
         fixed = const_values(consts)
         pack_into, buf, launch = self._struct.pack_into, self._buf, self.launch
         dims = grid(symbols)  # the launch's grid and dynamic shared memory
@@ -280,11 +280,11 @@ class Launcher:
                 raise
             launch(dims, stream, pdl)
 
-        return run, align
+        return run, masks
 
     def _layout(self, names: tuple, consts: dict, renames: dict, symbols: dict) -> tuple:
         """(getter of the parameters in order from values + consts, getter of the consts in that order,
-        align)."""
+        alignment masks, grid, the consts' Struct)."""
         idx, const_names, align = [], [], [1] * len(names)
         for p in self.entry.params:
             if p.name in consts:
@@ -313,7 +313,7 @@ class Launcher:
 
         types = {p.name: _FORMAT[p.type] for p in self.entry.params}
         const_struct = struct.Struct("<" + "".join(types[n] for n in const_names))  # the consts' C types
-        return operator.itemgetter(*idx), consts_in_order, tuple(align), grid, const_struct
+        return operator.itemgetter(*idx), consts_in_order, tuple(a - 1 for a in align), grid, const_struct
 
     def _refuse(self, values: tuple) -> None:
         """ValueError naming the first value that does not fit its parameter's C type."""

@@ -265,8 +265,8 @@ def test_a_value_outside_its_c_type_is_refused_when_bound_and_when_launched():
     sym = {"M": 3, "ROW_BLOCKS": 7}
     with pytest.raises(ValueError, match="stride = 9223372036854775808 does not fit the kernel's i64"):
         k.bind(("x", "eps"), sym, {"m": 3, "stride": 1 << 63}, {})
-    run, align = k.bind(("x", "eps"), sym, {"m": 3, "stride": -(1 << 40)}, {})
-    assert align == (16, 1) and not launched
+    run, masks = k.bind(("x", "eps"), sym, {"m": 3, "stride": -(1 << 40)}, {})
+    assert masks == (15, 0) and not launched  # (alignment - 1: x 16 bytes, eps none)
     run((0x1000, 0.5), 0, True)
     assert launched == [((7, 1, 1, 0), (0x1000, 3, -(1 << 40), 0.5))]
     with pytest.raises(ValueError, match="x = -1 does not fit the kernel's ptr"):
