@@ -145,7 +145,7 @@ def validate(raw, source: str = "<config>") -> dict:
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
                                           "kv_cache_dtype": False, "norm": False,
-                                          "max_m": False})  # fmt: skip
+                                          "max_m": False, "debug_ksplit": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
@@ -154,6 +154,7 @@ def validate(raw, source: str = "<config>") -> dict:
                                              KV_CACHE_DTYPES)),
             "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
+            **({"debug_ksplit": q["debug_ksplit"]} if q.get("debug_ksplit") in (2, "2-nojoin") else {}),
         }  # fmt: skip
     if "gemv" in raw:
         g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False, "debug_ksplit": False})
@@ -269,7 +270,9 @@ def expand(config: dict) -> list[Specialization]:
         axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
                 q.get("norm", ["separate"]), q.get("max_m", list(M_TILES)))  # fmt: skip
         for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
-            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
+            split = "debug_ksplit" in q and (norm, tile) == ("separate", 8)
+            dbg = {"debug_ksplit": q["debug_ksplit"]} if split else {}
+            specs.append(("qkv", {**abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile), **dbg}))
     g = config.get("gemv", {})
     dbg = {"debug_ksplit": g["debug_ksplit"]} if "debug_ksplit" in g else {}
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
