@@ -145,7 +145,7 @@ def validate(raw, source: str = "<config>") -> dict:
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
                                           "kv_cache_dtype": False, "norm": False,
-                                          "max_m": False, "debug_ksplit": False})  # fmt: skip
+                                          "max_m": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
@@ -154,17 +154,12 @@ def validate(raw, source: str = "<config>") -> dict:
                                              KV_CACHE_DTYPES)),
             "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
-            **({"debug_ksplit": q["debug_ksplit"]} if q.get("debug_ksplit") in (2, "2-nojoin") else {}),
         }  # fmt: skip
     if "gemv" in raw:
-        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False, "debug_ksplit": False})
+        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
         tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
         out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
-        if "debug_ksplit" in g:  # research: each row block's K split over a cluster of 2 CTAs
-            if g["debug_ksplit"] != 2:
-                c.fail("gemv.debug_ksplit", g["debug_ksplit"], "2")
-            out["gemv"]["debug_ksplit"] = 2
     if "qk_norm_rope_cache" in raw:
         g = c.mapping(
             raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
@@ -270,13 +265,10 @@ def expand(config: dict) -> list[Specialization]:
         axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
                 q.get("norm", ["separate"]), q.get("max_m", list(M_TILES)))  # fmt: skip
         for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
-            split = "debug_ksplit" in q and (norm, tile) == ("separate", 8)
-            dbg = {"debug_ksplit": q["debug_ksplit"]} if split else {}
-            specs.append(("qkv", {**abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile), **dbg}))
+            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
     g = config.get("gemv", {})
-    dbg = {"debug_ksplit": g["debug_ksplit"]} if "debug_ksplit" in g else {}
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
-        specs.append(("gemv", {**abi.gemv_spec(fmt, tile), **(dbg if tile == 8 else {})}))
+        specs.append(("gemv", abi.gemv_spec(fmt, tile)))
     g = config.get("qk_norm_rope_cache", {})
     for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
         specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))

@@ -77,10 +77,9 @@ def spec_name(kind: str, spec: dict) -> str:
     if kind == "qkv":
         q, k = spec["heads"]
         pro = "_prologue" if spec.get("norm") == "prologue" else ""
-        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}" + (
-            "_k2" + ("" if spec["debug_ksplit"] == 2 else "_nojoin") if "debug_ksplit" in spec else "")
+        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}"
     if kind == "gemv":
-        return f"gemv_{spec['weight_format']}{tile}" + ("_k2" if "debug_ksplit" in spec else "")
+        return f"gemv_{spec['weight_format']}{tile}"
     if kind == "qk_norm_rope_cache":
         return f"qk_norm_rope_cache_rope{int(spec['rope'])}{kv}"
     raise ValueError(f"unknown kernel kind {kind!r}; known: {', '.join(KINDS)}")

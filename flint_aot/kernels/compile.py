@@ -45,7 +45,6 @@ class Kernel:
     cluster: tuple = (1, 1, 1)
     dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
-    grid: tuple | None = None  # the manifest's grid rule, when not the kind's (a research build's)
 
     def ptr_types(self) -> dict:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
@@ -55,7 +54,7 @@ class Kernel:
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
                               dyn_smem_per_m=self.dyn_smem_per_m,
-                              min_ctas_per_sm=self.min_ctas_per_sm, grid=self.grid)  # fmt: skip
+                              min_ctas_per_sm=self.min_ctas_per_sm)  # fmt: skip
 
 
 def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
@@ -90,7 +89,7 @@ def _placeholders(params, ptr_types: dict):
 
 def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tuple, cluster=(1, 1, 1),
                    dyn_smem: int = 0, dyn_smem_per_m: int = 0, ptr_types: dict | None = None,
-                   min_ctas_per_sm: int = 0, grid: tuple | None = None) -> Compiled:  # fmt: skip
+                   min_ctas_per_sm: int = 0) -> Compiled:  # fmt: skip
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
     cubin as .reqntid), cluster and dynamic shared memory (launch attributes: dyn_smem + M x dyn_smem_per_m
     bytes) and the kind's grid rule."""
@@ -118,5 +117,5 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     names = list(c.kernel_info)
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
-    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), grid or GRID[kind], dyn_smem,
+    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem,
                     dyn_smem_per_m)  # fmt: skip

@@ -138,16 +138,6 @@ def bulk_copy(dst, src, mbar, nbytes: int):
     )
 
 
-def bulk_multicast_to(dst, src, mbar, nbytes: int, mask):
-    """bulk_multicast to the CTAs of a run-time 16-bit mask of cluster ranks (research: split K)."""
-    cute.arch.inline_ptx(
-        "{ .reg .b16 msk; cvt.u16.u32 msk, {$r3};"
-        " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        f" [{{$r0}}], [{{$r1}}], {nbytes}, [{{$r2}}], msk; }}",
-        read_only_args=[dst, src, mbar, mask],
-    )
-
-
 def bulk_multicast(dst, src, mbar, nbytes: int):
     """nbytes global -> the same shared-memory offset in all 8 CTAs of the cluster (one L2 read),
     completing on each CTA's mbarrier at mbar's offset."""

@@ -26,10 +26,7 @@ class GemvKernel(Kernel):
     def __init__(self, spec: dict):
         self.fp4 = spec["weight_format"] == "nvfp4"
         self.tile = spec.get("max_m", 8)
-        self.ksplit = spec.get("debug_ksplit", 1)  # research: each row block's K over a cluster of 2 CTAs
-        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV, self.ksplit)
-        if self.ksplit > 1:
-            self.cluster, self.grid = (self.ksplit, 1, 1), (self.ksplit, "ROW_BLOCKS", 1)
+        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV)
         self.xrow = core.smem_row(self.fp4)
         self.dyn_smem_per_m = self.xrow * 2 if self.tile > 8 else 0
         self.min_ctas_per_sm = 3 if self.tile > 8 else 0
@@ -50,36 +47,11 @@ class GemvKernel(Kernel):
             if cutlass.const_expr(self.fp4):
                 copy()
             sums = self.gemv.sums(st, core.SharedX(xs, self.xrow, mbx), m, tid)
-        elif cutlass.const_expr(self.ksplit > 1):
-            self.split_k(x, weight, weight_scale, global_scale, y, m, n, tid)
         else:
             st = self.gemv.start(weight, weight_scale, global_scale, cta * core.ROWS, tid, m)
             sums = self.gemv.sums(st, x, m, tid)
-        if cutlass.const_expr(self.ksplit == 1):
-            for i in cutlass.range_constexpr(len(sums)):
-                self.store(y, sums[i], tid // core.ROWS + 8 * i if i else tid // core.ROWS, tid, cta, m, n)
-
-    @cute.jit
-    def split_k(self, x, weight, weight_scale, global_scale, y, m, n, tid):
-        """Research: rank h of a cluster of 2 computes K half h of row block blockIdx.y; rank 1 sends its 16 x
-        8 fp32 sums to rank 0 by st.async, rank 0 adds them to its own and stores."""
-        half = cute.arch.block_idx_in_cluster()
-        _, rb, _ = cute.arch.block_idx()
-        peer = cute.arch.alloc_smem(Float32, core.THREADS, alignment=16)
-        mbar = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        if tid == 0:
-            cute.arch.mbarrier_init(mbar, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar, core.THREADS * 4)
-        cute.arch.cluster_arrive_relaxed()
-        st = self.gemv.start(weight, weight_scale, global_scale, rb * core.ROWS, tid, m, half=half)
-        sums = self.gemv.sums(st, x, m, tid)
-        cute.arch.cluster_wait()
-        if half == 1:
-            cute.arch.store_async_dsmem(peer + tid, device.f32_bits(sums[0]), mbar, 0)
-        else:
-            cute.arch.mbarrier_wait(mbar, 0)
-            self.store(y, sums[0] + device.at(peer, tid)[0], tid // core.ROWS, tid, rb, m, n)
+        for i in cutlass.range_constexpr(len(sums)):
+            self.store(y, sums[i], tid // core.ROWS + 8 * i if i else tid // core.ROWS, tid, cta, m, n)
 
     @cute.jit
     def expect_rows(self, tid, m, mbx):

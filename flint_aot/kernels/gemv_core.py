@@ -65,17 +65,11 @@ def as_f32(i):
     return Float32(llvm.bitcast(Float32.mlir_type, i.ir_value()))
 
 
-def _shift(v, half, step: int):
-    """v + half * step; v itself for half 0 (research, K split over CTAs: half is the CTA's part of K)."""
-    return v if isinstance(half, int) and half == 0 else v + half * step
-
-
-def issue_weight_loads(w, row0, tid, half=0, nb: int = NB):
-    """Issue all of this thread's weight loads (32 x 16 B); returns [(lo, hi)] per k block. half, nb
-    (research: K split over CTAs): the CTA's part of K and the blocks per warp."""
+def issue_weight_loads(w, row0, tid):
+    """Issue all of this thread's weight loads (32 x 16 B); returns [(lo, hi)] per k block."""
     warp, _, g, t = lanes(tid)
-    wa = w + _shift((row0 + g) * K + warp * (nb * 32) + t * 8, half, nb * 32 * WARPS)
-    return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * K + b * 32))) for b in range(nb)]
+    wa = w + ((row0 + g) * K + warp * (NB * 32) + t * 8)
+    return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * K + b * 32))) for b in range(NB)]
 
 
 def ld_shared(ptr):
@@ -131,14 +125,13 @@ def runtime_zero(regs, m):
     return f & (m >> 31)
 
 
-def mma_partials(A, x, m, tid, zero, groups: int = 1, half=0):
+def mma_partials(A, x, m, tid, zero, groups: int = 1):
     """This warp's partial sums for its K quarter, per group of 8 tokens: [d0, d1, d2, d3] with d0/d1 = (row
     g, tokens 8 i + 2t, +1), d2/d3 = (row g + 8, the same tokens). A from issue_weight_loads; x bf16 [m, K]
     (tokens >= m read token m - 1; their columns are never stored)."""
     warp, _, g, t = lanes(tid)
     toks = [cutlass.min(g + 8 * i if i else g, m - 1) for i in range(groups)]
-    nb = len(A)
-    ks = [_shift(warp * (nb * 32) + t * 8 + b * 32, half, nb * 32 * WARPS) for b in range(nb)]
+    ks = [warp * (NB * 32) + t * 8 + b * 32 for b in range(NB)]
     if groups == 1:
         X = [_x_loads(x, toks[0], ks)]
     else:  # each block's fragments loaded where they are used: ptxas would hoist them all, and spill
@@ -147,7 +140,7 @@ def mma_partials(A, x, m, tid, zero, groups: int = 1, half=0):
             x.ready()
     z = as_f32(zero)
     acc = [[[z, z, z, z], [z, z, z, z]] for _ in range(groups)]
-    for b in range(nb):
+    for b in range(NB):
         lo, hi = A[b]
         xb = [Xi[b] for Xi in X] if X else [_x_load(x, tok, ks[b]) for tok in toks]
         for j in range(2):
@@ -208,22 +201,22 @@ def ld_weight_b32(ptr):
     )
 
 
-def issue_fp4_loads(wq, sf, row0, tid, half=0, chunks: int = FP4_CHUNKS):
+def issue_fp4_loads(wq, sf, row0, tid):
     """This thread's code and scale loads, rows g and g + 8: (codes[2][16 words], scales[2][4 words]);
     scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2)."""
     warp, _, g, t = lanes(tid)
     codes, scales = [], []
     for r in (row0 + g, row0 + g + 8):
-        a = wq + _shift(r * KB + warp * (chunks * 64) + t * 16, half, chunks * 64 * WARPS)
+        a = wq + (r * KB + warp * (KB // WARPS) + t * 16)
         words = []
-        for c in range(chunks):
+        for c in range(FP4_CHUNKS):
             words.extend(ld_weight(a + 64 * c))
         codes.append(words)
         # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2
         # (the offsets of docs/nvfp4.md §3)
-        grp = _shift((r // 128) * (SCALE_COLS // 4) + warp * (chunks * 2) + t // 2, half, chunks * 2 * WARPS)
+        grp = (r // 128) * (SCALE_COLS // 4) + warp * 8 + t // 2
         s = sf + (grp * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4)
-        scales.append([ld_weight_b32(s + 1024 * c) for c in range(chunks)])
+        scales.append([ld_weight_b32(s + 1024 * c) for c in range(FP4_CHUNKS)])
     return codes, scales
 
 
@@ -290,12 +283,11 @@ def fp4_decode_rows(codes, scales, words, tid):
     return out
 
 
-def fp4_mma_partials(D, x, m, tid, groups: int = 1, half=0, words: int = FP4_WORDS):
+def fp4_mma_partials(D, x, m, tid, groups: int = 1):
     """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words).
     The x loads are fenced: every one is issued right after the wait, before the first MMA."""
     warp, _, g, t = lanes(tid)
-    ks = [_shift(warp * (words * 32) + t * 32 + 128 * (i // 4) + 8 * (i % 4), half, words * 32 * WARPS)
-          for i in range(words)]  # fmt: skip
+    ks = [warp * (K // WARPS) + t * 32 + 128 * (i // 4) + 8 * (i % 4) for i in range(FP4_WORDS)]
     toks = [cutlass.min(g + 8 * j if j else g, m - 1) for j in range(groups)]
     if groups == 1 or not isinstance(x, SharedX):
         X = [_x_loads(x, tok, ks) for tok in toks]
@@ -310,7 +302,7 @@ def fp4_mma_partials(D, x, m, tid, groups: int = 1, half=0, words: int = FP4_WOR
             flat.extend(v)
         z = as_f32(runtime_zero(flat, m))  # all global x loads issued at once, before the first MMA
     acc = [[[z, z, z, z], [z, z, z, z]] for _ in range(groups)]
-    for i in range(words):
+    for i in range(FP4_WORDS):
         xw = [Xj[i] for Xj in X] if X else [x.load(tok, ks[i]) for tok in toks]
         xp = [fp4_x_pairs(v) for v in xw]
         a, b = D[0][i], D[1][i]
@@ -323,18 +315,16 @@ def fp4_mma_partials(D, x, m, tid, groups: int = 1, half=0, words: int = FP4_WOR
 
 # ----------------------------------------------------------------------------- the GEMV of one CTA
 # The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
-def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None,
-                      half=0, ksplit: int = 1):
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None):
     """Issue this CTA's whole weight slice (NVFP4: codes, scales and the decode of `pre` of 16 words), then
     griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
     neither sink the loads below the wait nor hoist the wait above them). BF16: issued(), if given, runs
     once the loads are issued, before any of them is waited for (the guard's chain starts from a clock read
     after it, so ptxas cannot hoist the waits above it). Returns the state for CtaGemv.sums."""
-    st = {"half": half, "words": FP4_WORDS // ksplit}
+    st = {}
     if fp4:
         assert issued is None, "NVFP4: a warp waiting in issued() could not decode before the wait"
-        codes, scw = issue_fp4_loads(w, wsc, row0, tid, half, FP4_CHUNKS // ksplit)
-        pre = min(pre, st["words"])
+        codes, scw = issue_fp4_loads(w, wsc, row0, tid)
         st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
         st["D"] = fp4_decode_rows(codes, scw, range(pre), tid)
         st["codes"], st["scw"], st["pre"] = codes, scw, pre
@@ -343,7 +333,7 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
             for regs in row.values():
                 flat.extend(regs)
     else:
-        st["A"] = issue_weight_loads(w, row0, tid, half, NB // ksplit)
+        st["A"] = issue_weight_loads(w, row0, tid)
         flat = []
         if issued is not None:
             issued()
@@ -366,12 +356,11 @@ def partial_sums(fp4: bool, st, x, m, tid, groups: int):
     """This warp's MMAs (mma_partials / fp4_mma_partials, the rest of the NVFP4 decode first)."""
     if fp4 and groups > 1:  # the rest of the decode word by word in the MMA loop: fewer registers live
         D = [_LazyWords(st["D"][r], st["codes"], st["scw"], r, tid) for r in range(2)]
-        return fp4_mma_partials(D, x, m, tid, groups, st["half"], st["words"])
+        return fp4_mma_partials(D, x, m, tid, groups)
     if fp4:
-        rest = fp4_decode_rows(st["codes"], st["scw"], range(st["pre"], st["words"]), tid)
-        return fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid, groups, st["half"],
-                                st["words"])  # fmt: skip
-    return mma_partials(st["A"], x, m, tid, st["zero"], groups, st["half"])
+        rest = fp4_decode_rows(st["codes"], st["scw"], range(st["pre"], FP4_WORDS), tid)
+        return fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid, groups)
+    return mma_partials(st["A"], x, m, tid, st["zero"], groups)
 
 
 class _LazyWords:
@@ -401,12 +390,11 @@ class CtaGemv:
     """The GEMV of one CTA for one weight format and token tile: `start` issues the weight slice and waits for
     the predecessor (weights_then_wait), `sums` computes this CTA's 16 rows for all tokens of the tile."""
 
-    def __init__(self, fp4: bool, tile: int, pre: int, ksplit: int = 1):
-        self.fp4, self.tile, self.pre, self.ksplit = fp4, tile, pre, ksplit
+    def __init__(self, fp4: bool, tile: int, pre: int):
+        self.fp4, self.tile, self.pre = fp4, tile, pre
 
-    def start(self, w, wsc, gsc, row0, tid, m, issued=None, half=0):
-        """half (research, K split over ksplit CTAs): this CTA's part of K."""
-        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, half, self.ksplit)
+    def start(self, w, wsc, gsc, row0, tid, m, issued=None):
+        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
 
     def sums(self, st, x, m, tid, between=None):
         """After start: thread tid gets the fp32 sums (times the global scale for NVFP4) of row tid % 16,

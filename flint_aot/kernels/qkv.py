@@ -70,11 +70,7 @@ class QkvKernel(Kernel):
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
         self.groups = self.tile // 8  # of 8 tokens: one mma.sync N each
         self.xrow = core.smem_row(self.fp4)
-        self.ksplit = 2 if "debug_ksplit" in spec else 1  # research: a CTA's K over 2 CTAs, clusters (8, 2)
-        self.join = spec.get("debug_ksplit") == 2  # "2-nojoin": half 0 ignores half 1's sums (their cost)
-        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_QKV, self.ksplit)
-        if self.ksplit > 1:
-            self.cluster, self.grid = (CLUSTER, 2, 1), ("ROW_BLOCKS", 2, 1)
+        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
         # bytes each CTA of a q/k head receives over DSMEM: the 8 ranks' per-token sums of squares, and
         # (RoPE) the 16 x tile values of its rotation partner (rank ^ 4), as fp32
         self.rx_bytes = CLUSTER * self.tile * 4 + (R * self.tile * 4 if self.rope else 0)
@@ -96,15 +92,14 @@ class QkvKernel(Kernel):
     ):  # fmt: skip
         a = SimpleNamespace(**{k: v for k, v in locals().items() if k != "self"})  # the parameters, by name
         tid, _, _ = cute.arch.thread_idx()
-        cta, half, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
         head = cta // CLUSTER  # uniform over the cluster
-        rank = cta % CLUSTER if cutlass.const_expr(self.ksplit > 1) else cute.arch.block_idx_in_cluster()
+        rank = cute.arch.block_idx_in_cluster()
         is_v = head >= self.nq + self.nkv
         r = tid % R  # after reduce_rows: this thread's row (within the CTA) and token
         tk = tid // R
-        t = SimpleNamespace(tid=tid, cta=cta, head=head, rank=rank, is_v=is_v, r=r, tk=tk, dim=rank * R + r,
-                            half=half)  # fmt: skip
+        t = SimpleNamespace(tid=tid, cta=cta, head=head, rank=rank, is_v=is_v, r=r, tk=tk, dim=rank * R + r)
         s = self.shared(a, t)
         e = SimpleNamespace(slot=[], ok=[], c=[], sn=[])  # the epilogue's inputs
         if cutlass.const_expr(self.groups == 1):
@@ -114,8 +109,7 @@ class QkvKernel(Kernel):
         # themselves), NVFP4 after the guarded wait: a waiting thread's warp cannot decode (measured,
         # two-kernel design: BF16 up to 0.17 us per layer faster, NVFP4 0.1-0.35 slower that way)
         wst = self.gemv.start(weight, weight_scale, global_scale, cta * R, tid, m,
-                              issued=None if self.fp4 else lambda: self.activations(a, t, s),
-                              half=half if cutlass.const_expr(self.ksplit > 1) else 0)  # fmt: skip
+                              issued=None if self.fp4 else lambda: self.activations(a, t, s))  # fmt: skip
         if cutlass.const_expr(self.fp4):
             self.activations(a, t, s)
         if cutlass.const_expr(self.groups == 1):
@@ -124,31 +118,7 @@ class QkvKernel(Kernel):
             self.input_norm(a, t, s)
         acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), m, tid,
                              between=lambda: self.late_inputs(a, t, e))  # fmt: skip
-        if cutlass.const_expr(self.ksplit > 1):
-            self.send_half(t, s, acc)
-            if half == 0:
-                self.join_halves(a, t, s, e, acc)
-        else:
-            h = [v.to(BFloat16) for v in acc]  # qkv[token, head * 128 + dim], rounded once
-            self.epilogue(a, t, s, e, h)
-
-    @cute.jit
-    def send_half(self, t, s, acc):
-        """Research, split K: the CTAs of K half 1 send their sums to their half-0 partner (cluster rank =
-        its row rank) by st.async."""
-        if t.half == 1 and cutlass.const_expr(self.join):
-            for i in cutlass.range_constexpr(self.groups):
-                cute.arch.store_async_dsmem(s.pk + (t.tid + core.THREADS * i), device.f32_bits(acc[i]), s.mbk,
-                                            t.rank)  # fmt: skip
-
-    @cute.jit
-    def join_halves(self, a, t, s, e, acc):
-        """Research, split K: half 0 adds its partner's sums to its own and runs the epilogue."""
-        h = [v.to(BFloat16) for v in acc]
-        if cutlass.const_expr(self.join):
-            cute.arch.mbarrier_wait(s.mbk, 0)
-            pk = cute.make_tensor(s.pk, cute.make_layout(core.THREADS * self.groups))
-            h = [(acc[i] + pk[t.tid + core.THREADS * i]).to(BFloat16) for i in range(self.groups)]
+        h = [v.to(BFloat16) for v in acc]  # qkv[token, head * 128 + dim], rounded once
         self.epilogue(a, t, s, e, h)
 
     def late_inputs(self, a, t, e):
@@ -181,29 +151,21 @@ class QkvKernel(Kernel):
         if cutlass.const_expr(self.prologue):
             ssn = cute.arch.alloc_smem(Float32, CLUSTER * tile, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        pk, mbk = ssq, mbx
-        if cutlass.const_expr(self.ksplit > 1):  # research: the K partner's sums arrive on mbk
-            pk = cute.arch.alloc_smem(Float32, core.THREADS * self.groups, alignment=16)
-            mbk = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if t.tid == 0:
-            if cutlass.const_expr(self.ksplit > 1):
-                cute.arch.mbarrier_init(mbk, 1)
             cute.arch.mbarrier_init(mbx, 1)
             if not t.is_v:
                 cute.arch.mbarrier_init(mbar, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_warp()  # orders the inits before the arrives for racecheck (same thread anyway)
         if t.tid == 0:
-            act_bytes = a.m * (core.K * 2 // self.ksplit)  # the multicast copies of x (or of its K half)
+            act_bytes = a.m * (core.K * 2)  # the multicast copies of x
             if cutlass.const_expr(self.prologue):  # the 7 peers' slices of r, the 8 slices' sums of squares
                 act_bytes = a.m * ((CLUSTER - 1) * K_PART * 2 + CLUSTER * 4)
             cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes)
             if not t.is_v:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.rx_bytes)
-            if cutlass.const_expr(self.ksplit > 1):
-                cute.arch.mbarrier_arrive_and_expect_tx(mbk, core.THREADS * self.groups * 4)
         cute.arch.cluster_arrive_relaxed()
-        return SimpleNamespace(ssq=ssq, pv=pv, mbar=mbar, xs=xs, ssn=ssn, mbx=mbx, pk=pk, mbk=mbk)
+        return SimpleNamespace(ssq=ssq, pv=pv, mbar=mbar, xs=xs, ssn=ssn, mbx=mbx)
 
     def norm_weights(self, a, t):
         """The q/k norm weights of this thread's dim and of its rotation partner (model constants)."""
@@ -314,14 +276,9 @@ class QkvKernel(Kernel):
         cute.arch.cluster_wait()
         if t.tid < a.m:
             cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.ksplit > 1):  # research: 1/8 of x's K half, to the 8 CTAs of the half
-                part = t.half * (core.K // 2) + t.rank * (K_PART // 2)
-                device.bulk_multicast_to(s.xs + (t.tid * self.xrow + part), a.x + (t.tid * core.K + part),
-                                         s.mbx, K_PART, Int32(0xFF) << (t.half * CLUSTER))  # fmt: skip
-            else:
-                part = t.rank * K_PART
-                device.bulk_multicast(s.xs + (t.tid * self.xrow + part), a.x + (t.tid * core.K + part), s.mbx,
-                                      K_PART * 2)  # fmt: skip
+            part = t.rank * K_PART
+            device.bulk_multicast(s.xs + (t.tid * self.xrow + part), a.x + (t.tid * core.K + part), s.mbx,
+                                  K_PART * 2)  # fmt: skip
 
     @cute.jit
     def norm_slices(self, a, t, s):
