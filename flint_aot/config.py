@@ -33,9 +33,6 @@ MAX_HEADS = 128
 # norm.debug_spin_cycles: a debug build of the norm kernel that busy-waits this many clock cycles before
 # writing xn (a slow producer; proves that the qkv kernel waits for it). Never for serving.
 MAX_SPIN = 1 << 31
-# qkv.debug_stream / gemv.debug_stream: a research build whose BF16 weight slices come into shared memory by
-# bulk copies (benchmarks/ab_bundles.py compares it with the default bundle). Never for serving.
-STREAMS = ("bulk", "bulk_evict_first", "mix")  # mix: half the rows by register loads
 
 
 class ConfigError(ValueError):
@@ -148,7 +145,7 @@ def validate(raw, source: str = "<config>") -> dict:
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
                                           "kv_cache_dtype": False, "norm": False,
-                                          "max_m": False, "debug_stream": False})  # fmt: skip
+                                          "max_m": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
@@ -158,13 +155,11 @@ def validate(raw, source: str = "<config>") -> dict:
             "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
         }  # fmt: skip
-        _stream(c, q, out["qkv"], "qkv")
     if "gemv" in raw:
-        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False, "debug_stream": False})
+        g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
         tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
         out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
-        _stream(c, g, out["gemv"], "gemv")
     if "qk_norm_rope_cache" in raw:
         g = c.mapping(
             raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
@@ -181,17 +176,6 @@ def validate(raw, source: str = "<config>") -> dict:
         )
     _servable(out, source)
     return out
-
-
-def _stream(c, raw: dict, out: dict, section: str) -> None:
-    """A research build's weight stream (debug_stream): BF16 weights, the 8-token tile (16 keeps its own)."""
-    if "debug_stream" in raw:
-        v = raw["debug_stream"]
-        if v not in STREAMS:
-            c.fail(f"{section}.debug_stream", v, f"one of {', '.join(STREAMS)}")
-        if out["weight_format"] != ["bf16"]:
-            c.fail(f"{section}.debug_stream", v, "a build of weight_format [bf16] only")
-        out["debug_stream"] = v
 
 
 def _servable(c: dict, source: str) -> None:
@@ -280,14 +264,11 @@ def expand(config: dict) -> list[Specialization]:
         q = config["qkv"]
         axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
                 q.get("norm", ["separate"]), q.get("max_m", list(M_TILES)))  # fmt: skip
-        dbg = {"debug_stream": q["debug_stream"]} if "debug_stream" in q else {}
         for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
-            spec = abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)
-            specs.append(("qkv", {**spec, **(dbg if tile == 8 else {})}))
+            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
     g = config.get("gemv", {})
-    dbg = {"debug_stream": g["debug_stream"]} if "debug_stream" in g else {}
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
-        specs.append(("gemv", {**abi.gemv_spec(fmt, tile), **(dbg if tile == 8 else {})}))
+        specs.append(("gemv", abi.gemv_spec(fmt, tile)))
     g = config.get("qk_norm_rope_cache", {})
     for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
         specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))

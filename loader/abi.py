@@ -71,7 +71,6 @@ def spec_name(kind: str, spec: dict) -> str:
     """The specialization's name: unique per arch; the cubin's base name and its entry symbol's prefix."""
     kv = "" if spec.get("kv_cache_dtype", "bf16") == "bf16" else "_kvfp8"
     tile = "" if spec.get("max_m", 8) == 8 else f"_m{spec['max_m']}"
-    tile += f"_{spec['debug_stream']}" if "debug_stream" in spec else ""  # a research build's weight stream
     if kind == "norm":
         spin = spec.get("debug_spin_cycles")
         return f"norm_res{int(spec['residual'])}" + (f"_spin{spin}" if spin else "")

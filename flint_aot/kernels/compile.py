@@ -43,8 +43,7 @@ class Kernel:
     kind = ""
     block: tuple = (128, 1, 1)
     cluster: tuple = (1, 1, 1)
-    dyn_smem = 0  # dynamic shared memory of every launch (bytes)
-    dyn_smem_per_m = 0  # and per token of a call
+    dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
 
     def ptr_types(self) -> dict:
@@ -54,7 +53,7 @@ class Kernel:
     def compile(self, arch: str, entry_prefix: str) -> Compiled:
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
-                              dyn_smem=self.dyn_smem, dyn_smem_per_m=self.dyn_smem_per_m,
+                              dyn_smem_per_m=self.dyn_smem_per_m,
                               min_ctas_per_sm=self.min_ctas_per_sm)  # fmt: skip
 
 

@@ -26,8 +26,7 @@ class GemvKernel(Kernel):
     def __init__(self, spec: dict):
         self.fp4 = spec["weight_format"] == "nvfp4"
         self.tile = spec.get("max_m", 8)
-        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV, spec.get("debug_stream"))
-        self.dyn_smem = self.gemv.dyn_smem
+        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV)
         self.xrow = core.smem_row(self.fp4)
         self.dyn_smem_per_m = self.xrow * 2 if self.tile > 8 else 0
         self.min_ctas_per_sm = 3 if self.tile > 8 else 0

@@ -101,66 +101,6 @@ class SharedX:
         return ld_shared(self.base + (tok * self.row + k))
 
 
-W_ROW = K + 32  # row stride (elements) of a weight slice in shared memory: 16-byte reads free of conflicts
-W_SMEM = ROWS * W_ROW * 2  # its bytes
-
-
-class SharedW:
-    """Research stream (spec key `debug_stream`): this CTA's 16 BF16 weight rows brought into shared memory
-    by one bulk copy per row, issued before the wait; `A[b]` is issue_weight_loads' (lo, hi) of block b, read
-    from shared memory once the copies have landed (`ready`). The MMA sequence is unchanged."""
-
-    def __init__(self, base, mbar, tid):
-        warp, _, g, t = lanes(tid)
-        self.lo, self.mbar = base + (g * W_ROW + warp * (NB * 32) + t * 8), mbar
-
-    def ready(self):
-        cute.arch.mbarrier_wait(self.mbar, 0)
-
-    def __getitem__(self, b):
-        return ld_shared(self.lo + b * 32), ld_shared(self.lo + (8 * W_ROW + b * 32))
-
-
-class MixedW(SharedW):
-    """Research stream `mix`: rows g by 16-byte register loads (issued before the wait, as by default), rows
-    g + 8 by 8 bulk copies into shared memory (the half of SharedW's)."""
-
-    def __init__(self, w, row0, base, mbar, tid):
-        warp, _, g, t = lanes(tid)
-        wa = w + ((row0 + g) * K + warp * (NB * 32) + t * 8)
-        self.regs = [ld_weight(wa + b * 32) for b in range(NB)]
-        self.lo, self.mbar = base + (g * W_ROW + warp * (NB * 32) + t * 8), mbar
-
-    def __getitem__(self, b):
-        return self.regs[b], ld_shared(self.lo + b * 32)
-
-
-@cute.jit
-def issue_weight_bulk(w, row0, tid, base, mbar, evict_first: cutlass.Constexpr, rows: cutlass.Constexpr):
-    """Threads 0..rows-1 each bulk-copy one 4 KiB weight row into shared memory (row stride W_ROW), all
-    completing on mbar (evict_first: with an L2 evict-first cache policy)."""
-    if tid == 0:
-        cute.arch.mbarrier_init(mbar, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.mbarrier_arrive_and_expect_tx(mbar, rows * K * 2)
-    cute.arch.sync_threads()
-    if tid < rows:
-        dst, src = base + tid * W_ROW, w + (row0 + tid) * K
-        if cutlass.const_expr(evict_first):
-            cute.arch.inline_ptx(
-                "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0;"
-                " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-                f" [{{$r0}}], [{{$r1}}], {K * 2}, [{{$r2}}], pol; }}",
-                read_only_args=[dst, src, mbar],
-            )
-        else:
-            cute.arch.inline_ptx(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                f" [{{$r0}}], [{{$r1}}], {K * 2}, [{{$r2}}];",
-                read_only_args=[dst, src, mbar],
-            )
-
-
 def _x_loads(x, tok, ks):
     """16-byte x fragments at token tok and element offsets ks: global loads, or shared once staged."""
     if isinstance(x, SharedX):
@@ -192,8 +132,6 @@ def mma_partials(A, x, m, tid, zero, groups: int = 1):
     warp, _, g, t = lanes(tid)
     toks = [cutlass.min(g + 8 * i if i else g, m - 1) for i in range(groups)]
     ks = [warp * (NB * 32) + t * 8 + b * 32 for b in range(NB)]
-    if isinstance(A, SharedW):
-        A.ready()
     if groups == 1:
         X = [_x_loads(x, toks[0], ks)]
     else:  # each block's fragments loaded where they are used: ptxas would hoist them all, and spill
@@ -377,8 +315,7 @@ def fp4_mma_partials(D, x, m, tid, groups: int = 1):
 
 # ----------------------------------------------------------------------------- the GEMV of one CTA
 # The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
-def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None,
-                      stream: str | None = None):
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None):
     """Issue this CTA's whole weight slice (NVFP4: codes, scales and the decode of `pre` of 16 words), then
     griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
     neither sink the loads below the wait nor hoist the wait above them). BF16: issued(), if given, runs
@@ -395,17 +332,6 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
         for row in st["D"]:
             for regs in row.values():
                 flat.extend(regs)
-    elif stream:
-        assert stream in ("bulk", "bulk_evict_first", "mix"), stream
-        base = cute.arch.get_dyn_smem(cutlass.BFloat16, alignment=128)
-        mbar = cute.arch.alloc_smem(cutlass.Int64, 1, alignment=8)
-        mix = stream == "mix"  # rows g + 8 by bulk copies, rows g by register loads
-        issue_weight_bulk(w, row0 + 8 if mix else row0, tid, base, mbar, stream == "bulk_evict_first",
-                          8 if mix else ROWS)  # fmt: skip
-        st["A"] = MixedW(w, row0, base, mbar, tid) if mix else SharedW(base, mbar, tid)
-        if issued is not None:
-            issued()
-        flat = [Int32(cute.arch.clock64())] + ([v for r in st["A"].regs for v in r] if mix else [])
     else:
         st["A"] = issue_weight_loads(w, row0, tid)
         flat = []
@@ -464,13 +390,11 @@ class CtaGemv:
     """The GEMV of one CTA for one weight format and token tile: `start` issues the weight slice and waits for
     the predecessor (weights_then_wait), `sums` computes this CTA's 16 rows for all tokens of the tile."""
 
-    def __init__(self, fp4: bool, tile: int, pre: int, stream: str | None = None):
-        assert stream is None or (not fp4 and tile == 8), "the bulk stream: BF16, tile 8 (x not in dyn smem)"
-        self.fp4, self.tile, self.pre, self.stream = fp4, tile, pre, stream
-        self.dyn_smem = (W_SMEM // 2 if stream == "mix" else W_SMEM) if stream else 0  # the slice's smem
+    def __init__(self, fp4: bool, tile: int, pre: int):
+        self.fp4, self.tile, self.pre = fp4, tile, pre
 
     def start(self, w, wsc, gsc, row0, tid, m, issued=None):
-        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, self.stream)
+        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
 
     def sums(self, st, x, m, tid, between=None):
         """After start: thread tid gets the fp32 sums (times the global scale for NVFP4) of row tid % 16,

@@ -70,8 +70,7 @@ class QkvKernel(Kernel):
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
         self.groups = self.tile // 8  # of 8 tokens: one mma.sync N each
         self.xrow = core.smem_row(self.fp4)
-        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_QKV, spec.get("debug_stream"))
-        self.dyn_smem = self.gemv.dyn_smem
+        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
         # bytes each CTA of a q/k head receives over DSMEM: the 8 ranks' per-token sums of squares, and
         # (RoPE) the 16 x tile values of its rotation partner (rank ^ 4), as fp32
         self.rx_bytes = CLUSTER * self.tile * 4 + (R * self.tile * 4 if self.rope else 0)
