@@ -203,7 +203,8 @@ def disjoint(k: Tensor, v: Tensor, nb: int, bs: int, nkv: int, st) -> None:
 def caches(k, v, nkv: int, dev: int) -> tuple:
     """(cache dtype, (num_blocks, block_size, nkv, strides)) of a pair of paged cache views (api.md §7)."""
     nb, bs, st = cache("k_cache", k, nkv, dev)
-    vst = cache("v_cache", v, nkv, dev)[2]
+    same = isinstance(v, Tensor) and v.dtype is k.dtype and v.shape == k.shape and v.get_device() == dev
+    vst = v.stride() if same else cache("v_cache", v, nkv, dev)[2]  # (k's metadata: k's checks hold)
     if v.shape != k.shape or vst != st or v.dtype is not k.dtype:
         raise ValueError(f"k_cache and v_cache must have the same shape, strides and dtype, got "
                          f"{list(k.shape)} {st} {k.dtype} and {list(v.shape)} {vst} {v.dtype}")  # fmt: skip

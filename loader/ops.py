@@ -162,7 +162,7 @@ def _stage(m, nkv, dev, q_norm_weight, k_norm_weight, cos_sin_cache, positions, 
     if kv == "bf16":
         consts.update(k_scale=0, v_scale=0)  # (a BF16-cache kernel reads no scale)
     stage = plans.Stage(dev, geometry, {v_cache.data_ptr() - k_cache.data_ptr()}, kv != "bf16", rope,
-                        max_pos, nb * bs)  # fmt: skip
+                        max_pos, nb * bs, rope and max_pos == 1)  # fmt: skip
     return kv, consts, stage
 
 

@@ -38,10 +38,7 @@ class Stage:
     rope: bool
     max_pos: int
     num_slots: int
-    placeholder: bool = False  # calls must check for the no-RoPE placeholder table (it has this table shape)
-
-    def __post_init__(self):
-        self.placeholder = self.rope and self.max_pos == 1
+    placeholder: bool  # calls must check for the no-RoPE placeholder table (RoPE, max_pos 1: its shape)
 
     def recheck(self, k_cache, v_cache, cos_sin_cache, k_scale, v_scale, positions, slot_mapping, checked):
         """The checks that depend on pointers and values."""
