@@ -109,6 +109,31 @@ def test_a_tensor_in_two_roles_reaches_a_cached_plan(monkeypatch, op, same):
 
 
 @needs_dsl
+@pytest.mark.parametrize("role", ["x", "weight", "cos_sin_cache"])
+def test_a_misaligned_pointer_is_refused_naming_its_role_on_a_new_and_on_a_cached_plan(monkeypatch, role):
+    """A data pointer less aligned than the kernels assume (the manifest's) raises ValueError naming its role
+    before anything is launched, both when the call builds its plan and when it finds a cached one; the same
+    metadata with an aligned pointer is then served by that plan."""
+    import torch
+
+    import loader
+    from loader import plans
+
+    dry = _DryRun(monkeypatch, _default_bundle_entries())
+    c = _qkv_inputs(2, 32, 4, "bf16", True, "bf16")
+    t = c[role]
+    shifted = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape)  # one element past an aligned base
+    shifted.copy_(t)
+    for _ in ("the call that builds the plan", "a call that finds it"):
+        with pytest.raises(ValueError, match=f"^{role} must be 16-byte aligned"):
+            loader.flint_qkv_fused(**dict(c, **{role: shifted}))
+        assert not dry.launched
+        built = plans.builds
+    loader.flint_qkv_fused(**c)
+    assert plans.builds == built and len(dry.launched) == 1
+
+
+@needs_dsl
 def test_plans_are_kept_per_m_and_reused(monkeypatch):
     """Cycling M over every size calls of one op builds one plan per M, then only reuses them."""
     import torch
