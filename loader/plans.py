@@ -126,7 +126,7 @@ def new(key: tuple, names: tuple, args: tuple, build, *extra):
 def bind(p: Plan, values: tuple, launches: list) -> None:
     """Bind each (launcher, symbols, consts, renames) of launches to the value names `values` (the plan's
     tensors first) and record on the plan the alignment masks of its tensors: what those kernels assume
-    (the manifest's parameter alignments), checked by `new` and on every call."""
+    (the manifest's parameter alignments), which the ops check on every call."""
     runs, masks = [], ()
     for k, symbols, consts, renames in launches:
         run, m = k.bind(values, symbols, consts, renames)
