@@ -96,23 +96,29 @@ def torch_eager_op(c, w_dense):
     return q, r
 
 
+def full_check(c: dict) -> None:
+    """flint_qkv_fused(**c) on the full-check path: this thread's qkv plans dropped first, as for a new shape
+    (not the launchers, whose keys are (dev, kind, ...): the kernels stay loaded)."""
+    from loader import runtime
+
+    cache = runtime.thread_cache()
+    for k in [k for k in cache if k[0] == "qkv"]:
+        del cache[k]
+    loader.flint_qkv_fused(**c)
+
+
 def no_cliffs(g, calls: int) -> list:
     """The fused op (heads (32, 4), BF16) on its fast path beside the calls that must not fall off it (at
     most 1.3x): a tensor passed in two roles, M changing every call (one plan each); and the full-check path
     (at most 3x: a plan built every call, as for a new shape; the kernels stay loaded). Interleaved over five
     rounds, the best of each; the ratio is to the fast path at the same M (1, or 16 for 9..16)."""
-    from loader import runtime
-
     c, c16 = case(1, 32, 4, "bf16", "bf16", g), case(16, 32, 4, "bf16", "bf16", g)
     f8 = case(1, 32, 4, "bf16", "fp8_e4m3", g)
     by_m = [case(m, 32, 4, "bf16", "bf16", g) for m in range(1, 17)]
     it = iter(range(1 << 62))
-    cache = runtime.thread_cache()
 
     def full():
-        for k in [k for k in cache if k[0] == "qkv"]:  # the plans (not the launchers: keys (dev, kind, ..))
-            del cache[k]
-        loader.flint_qkv_fused(**c)
+        full_check(c)
 
     runs = {  # name: (function, the fast path it is compared with)
         "fast path, M=1 (distinct tensors)": (lambda: loader.flint_qkv_fused(**c), None),

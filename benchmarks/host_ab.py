@@ -13,10 +13,9 @@ if __name__ == "__main__":
     sys.path.insert(0, sys.argv[1])  # this loader, before the checkout's own (PYTHONPATH)
 
 import torch  # noqa: E402
-from bench_host import case, per_call  # noqa: E402  (benchmarks/ is the script's directory)
+from bench_host import case, full_check, per_call  # noqa: E402  (benchmarks/ is the script's directory)
 
 import loader  # noqa: E402
-from loader import runtime  # noqa: E402
 
 
 def main():
@@ -26,15 +25,8 @@ def main():
     a = torch.randn(1, 2048, device="cuda").bfloat16()
     for _ in range(3):
         loader.flint_qkv_fused(**c)
-    cache = runtime.thread_cache()
-
-    def full():
-        for k in [k for k in cache if k[0] == "qkv"]:  # the plans, not the launchers
-            del cache[k]
-        loader.flint_qkv_fused(**c)
-
     add, fast = per_call(lambda: torch.add(a, a), 3000), per_call(lambda: loader.flint_qkv_fused(**c), 3000)
-    slow = per_call(full, 1000)
+    slow = per_call(lambda: full_check(c), 1000)
     print(f"{loader.__file__}: torch.add {add:.2f} µs, fast path {fast:.2f}, full-check path {slow:.2f} "
           f"({slow / fast:.2f}x)")  # fmt: skip
 
