@@ -184,8 +184,8 @@ def run(bundle: str, specs: list[str]) -> None:
         kind = self.entry.kind
         if kind == "qkv":
             consts, renames = {k: v for k, v in consts.items() if k != "v_scale"}, {**renames, "v_scale": "trace"}
-        run, align = bind(self, (*names, "trace"), symbols, consts, renames)
-        return (lambda values, stream, pdl: run((*values, cur.get(kind, 0)), stream, pdl)), align[: len(names)]
+        run, masks = bind(self, (*names, "trace"), symbols, consts, renames)
+        return (lambda values, stream, pdl: run((*values, cur.get(kind, 0)), stream, pdl)), masks[: len(names)]
 
     runtime.Launcher.bind = traced_bind
     loader.load_bundle(bundle)
