@@ -203,10 +203,11 @@ def pack(bundle, out):
 @main.command()
 @BUNDLE_ARG
 @click.option("-m", "tokens", multiple=True, type=click.IntRange(1, MAX_M),
-              help="Tokens per call (M; repeatable). Default: 1, 8 and 16.")  # fmt: skip
+              help="Tokens per call (M; repeatable). Default: 1, 8, 9, 32 and 64.")  # fmt: skip
 def doctor(bundle, tokens):
     """Run every variant of BUNDLE (default build/flint) on this GPU against the torch reference, at each M
-    that runs it (the 8-token kernels at M = 1 and 8, the 16-token ones at M = 16); exit 1 if any fails."""
+    that runs it (by default the 8-token kernels at M = 1 and 8, the 16-, 32- and 64-token ones at M = 9, 32
+    and 64); exit 1 if any fails."""
     from loader.doctor import MS, report, run  # the same code as `python -m loader.doctor`
 
     try:

@@ -9,10 +9,10 @@
       heads: [[32, 4], [16, 8]] # (num_q_heads, num_kv_heads)
       kv_cache_dtype: [bf16, fp8_e4m3]   # optional, default [bf16]
       norm: [separate, prologue]         # optional, default [separate]
-      max_m: [8, 16]                     # optional, default [8, 16]: token tiles (16 required)
+      max_m: [8, 16, 32, 64]             # optional, default all: token tiles (64 required)
     gemv:
       weight_format: [bf16, nvfp4]
-      max_m: [8, 16]                     # optional, as qkv.max_m
+      max_m: [8, 16, 32, 64]             # optional, as qkv.max_m
 
 Every error names the file, the key path, the offending value and what is accepted.
 """
@@ -108,7 +108,7 @@ class _Checker:
         for i, item in enumerate(v):
             if isinstance(item, bool) or item not in M_TILES:
                 self.fail(f"{path}[{i}]", item, accepted)
-        if MAX_M not in v:  # (calls of 9..16 tokens could not run)
+        if MAX_M not in v:  # (calls above the largest tile could not run)
             self.fail(path, v, f"a list holding {MAX_M}: the tile that serves M up to {MAX_M}")
         return sorted(v)
 
@@ -145,7 +145,7 @@ def validate(raw, source: str = "<config>") -> dict:
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
                                           "kv_cache_dtype": False, "norm": False,
-                                          "max_m": False})  # fmt: skip
+                                          "max_m": False, "debug_stream": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
@@ -155,6 +155,10 @@ def validate(raw, source: str = "<config>") -> dict:
             "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
         }  # fmt: skip
+        if "debug_stream" in q:  # research: the 8-token tile built as the token stream (never for serving)
+            if q["debug_stream"] is not True:
+                c.fail("qkv.debug_stream", q["debug_stream"], "true")
+            out["qkv"]["debug_stream"] = True
     if "gemv" in raw:
         g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
@@ -264,8 +268,9 @@ def expand(config: dict) -> list[Specialization]:
         q = config["qkv"]
         axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
                 q.get("norm", ["separate"]), q.get("max_m", list(M_TILES)))  # fmt: skip
+        debug = {"debug_stream": True} if q.get("debug_stream") else {}
         for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
-            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
+            specs.append(("qkv", {**abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile), **debug}))
     g = config.get("gemv", {})
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
         specs.append(("gemv", abi.gemv_spec(fmt, tile)))

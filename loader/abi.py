@@ -11,9 +11,10 @@ from __future__ import annotations
 HIDDEN = 2048  # K: the model's hidden size, the GEMV's reduction length
 HEAD_DIM = 128
 HALF_DIM = HEAD_DIM // 2
-MAX_M = 16  # decode tokens per call
-# compile-time token tiles of the GEMV kernels (qkv, gemv): the loader runs the smallest that holds M
-M_TILES = (8, 16)
+MAX_M = 64  # decode tokens per call
+# compile-time token tiles of the GEMV kernels (qkv, gemv): the loader runs the smallest that holds M; tiles
+# above 8 are the token stream (docs/kernels.md §2.5)
+M_TILES = (8, 16, 32, 64)
 ROWS_PER_CTA = 16  # GEMV output rows per CTA (128 threads)
 CLUSTER = HEAD_DIM // ROWS_PER_CTA  # CTAs per head in the fused kernel (one cluster)
 NVFP4_BLOCK = 16  # k values per e4m3 block scale
@@ -29,14 +30,18 @@ WEIGHT_FORMATS = ("bf16", "nvfp4")
 KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
 NORM_MODES = ("separate", "prologue")  # qkv: input norm in its own kernel, or in the qkv kernel's prologue
 
-# Grid rules name these symbols; the loader supplies their values at launch.
-GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS")
+# Grid rules name these symbols; the loader supplies their values at launch (ROW_BLOCKS_4: ROW_BLOCKS
+# rounded up to a multiple of 4).
+GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS", "ROW_BLOCKS_4")
 GRID = {
     "norm": ("M", 1, 1),  # one CTA per token
     "qkv": ("ROW_BLOCKS", 1, 1),  # one CTA per 16 weight rows, clusters of CLUSTER
     "gemv": ("ROW_BLOCKS", 1, 1),
     "qk_norm_rope_cache": ("HEADS", 1, 1),  # one CTA per q, k and v head
 }
+# the standalone GEMV's token stream (tiles > 8): clusters of 4 CTAs, one per K quarter of 64 rows
+STREAM_CLUSTER_GEMV = 4
+GRID_STREAM_GEMV = ("ROW_BLOCKS_4", 1, 1)
 
 # C types of kernel parameters: name -> (size, alignment); the loader packs them with natural alignment.
 PARAM_TYPES = {"ptr": (8, 8), "i32": (4, 4), "i64": (8, 8), "f32": (4, 4)}
@@ -77,7 +82,8 @@ def spec_name(kind: str, spec: dict) -> str:
     if kind == "qkv":
         q, k = spec["heads"]
         pro = "_prologue" if spec.get("norm") == "prologue" else ""
-        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}"
+        research = "_dstream" if spec.get("debug_stream") else ""
+        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}{research}"
     if kind == "gemv":
         return f"gemv_{spec['weight_format']}{tile}"
     if kind == "qk_norm_rope_cache":

@@ -155,7 +155,7 @@ def scales_seen(k_scale, v_scale) -> bool:
 # ----------------------------------------------------------------------------- paged KV caches
 def cache(name: str, t, nkv: int, dev: int):
     """(num_blocks, block_size, strides) of a paged KV cache view (docs/api.md §7): no zero or overlapping
-    strides (the kernels write it), block size within the kernels' int32."""
+    strides (the kernels write it), slots (num_blocks * block_size) within the kernels' int32."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype is not BF16 and t.dtype is not E4M3 and t.dtype is not U8:
@@ -170,8 +170,9 @@ def cache(name: str, t, nkv: int, dev: int):
     nb, bs = shape[0], shape[1]
     if st[3] != 1:
         raise ValueError(f"{name} must have last stride 1, got strides {st}")
-    if bs > I32_MAX:
-        raise ValueError(f"{name}: block_size {bs} exceeds the kernels' int32 block size ({I32_MAX})")
+    if nb * bs > I32_MAX:
+        raise ValueError(f"{name}: num_blocks * block_size = {nb * bs} slots exceeds the kernels' int32 slot "
+                         f"index ({I32_MAX})")  # fmt: skip
     head = (nkv - 1) * st[2] + HEAD_DIM
     if not (st[2] >= HEAD_DIM and st[1] >= head and st[0] >= (bs - 1) * st[1] + head):  # not the usual order
         span = 1

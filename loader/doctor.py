@@ -21,7 +21,7 @@ from loader import reference as ref
 K, D = 2048, 128
 TOL = 1e-2  # docs/numerics.md §6: relative Frobenius error of q, k, v
 FP8_TOL = 5e-2  # an e4m3 cache: 3 mantissa bits, RMS rounding error ~3 % of the value
-MS = (1, 8, 16)  # the token counts checked unless asked: the ends of the 8-token tile, the 16-token one
+MS = (1, 8, 9, 32, 64)  # the token counts checked unless asked: the 8-token tile's ends and each stream tile
 
 
 @dataclass
@@ -163,8 +163,8 @@ def _runs_at(e, m: int) -> bool:
 
 
 def run(bundle_path=None, ms=MS, seed: int = 0) -> list[Result]:
-    """One call per variant of the bundle for this GPU's architecture and M of ms that runs it (the 8-token
-    kernels at M = 1 and 8, the 16-token ones at M = 16 by default)."""
+    """One call per variant of the bundle for this GPU's architecture and M of ms that runs it (by default the
+    8-token kernels at M = 1 and 8, the 16-, 32- and 64-token ones at M = 9, 32 and 64)."""
     import loader
     from loader import runtime
 
@@ -215,7 +215,8 @@ def main(argv=None) -> int:
                          "bundle, build/flint)")  # fmt: skip
     ap.add_argument("-m", dest="tokens", type=int, action="append", choices=range(1, abi.MAX_M + 1),
                     metavar="M",
-                    help=f"tokens per call (1..{abi.MAX_M}; repeatable; default 1, 8 and 16)")  # fmt: skip
+                    help=f"tokens per call (1..{abi.MAX_M}; repeatable; default "
+                         f"{', '.join(map(str, MS))})")  # fmt: skip
     a = ap.parse_args(argv)
     try:
         results = run(a.bundle, ms=a.tokens or MS)

@@ -277,7 +277,9 @@ def _gemv_plan(names, renames, args) -> plans.Plan:
     k = _launcher(dev, "gemv", (fmt, tiles[0]), lambda: [abi.gemv_spec(fmt, t) for t in tiles])
     p = plans.Plan(dev, (), out=_out(x, dev, m, n), names=names)
     consts = dict(m=m, n=n, **({"weight_scale": 0, "global_scale": 0} if fmt == "bf16" else {}))
-    plans.bind(p, names + ("y",), [(k, {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA}, consts, renames)])
+    rb = n // abi.ROWS_PER_CTA
+    plans.bind(p, names + ("y",), [(k, {"M": m, "ROW_BLOCKS": rb, "ROW_BLOCKS_4": -(-rb // 4) * 4}, consts,
+                                    renames)])  # fmt: skip
     return p
 
 

@@ -192,9 +192,10 @@ def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
             if entry.cluster != (1, 1, 1):
                 a = attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
                 _check(cu.cuFuncSetAttribute(fn, a, 1), "cuFuncSetAttribute(non-portable cluster)")
-            if entry.smem(MAX_M) > 0:  # (the carveout is the driver's choice, per launch)
+            most = entry.smem(entry.spec.get("max_m", MAX_M))  # (at the kernel's largest M)
+            if most > 0:  # (the carveout is the driver's choice, per launch)
                 a = attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _check(cu.cuFuncSetAttribute(fn, a, entry.smem(MAX_M)), "cuFuncSetAttribute(dynamic smem)")
+                _check(cu.cuFuncSetAttribute(fn, a, most), "cuFuncSetAttribute(dynamic smem)")
         except Exception:
             cu.cuModuleUnload(module)
             raise

@@ -43,6 +43,7 @@ class Kernel:
     kind = ""
     block: tuple = (128, 1, 1)
     cluster: tuple = (1, 1, 1)
+    grid: tuple | None = None  # the grid rule (loader.abi.GRID_SYMBOLS); None: the kind's, abi.GRID
     dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
 
@@ -53,8 +54,8 @@ class Kernel:
     def compile(self, arch: str, entry_prefix: str) -> Compiled:
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
-                              dyn_smem_per_m=self.dyn_smem_per_m,
-                              min_ctas_per_sm=self.min_ctas_per_sm)  # fmt: skip
+                              dyn_smem_per_m=self.dyn_smem_per_m, min_ctas_per_sm=self.min_ctas_per_sm,
+                              grid=self.grid)  # fmt: skip
 
 
 def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
@@ -89,7 +90,7 @@ def _placeholders(params, ptr_types: dict):
 
 def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tuple, cluster=(1, 1, 1),
                    dyn_smem: int = 0, dyn_smem_per_m: int = 0, ptr_types: dict | None = None,
-                   min_ctas_per_sm: int = 0) -> Compiled:  # fmt: skip
+                   min_ctas_per_sm: int = 0, grid: tuple | None = None) -> Compiled:  # fmt: skip
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
     cubin as .reqntid), cluster and dynamic shared memory (launch attributes: dyn_smem + M x dyn_smem_per_m
     bytes) and the kind's grid rule."""
@@ -117,5 +118,5 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     names = list(c.kernel_info)
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
-    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem,
+    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), grid or GRID[kind], dyn_smem,
                     dyn_smem_per_m)  # fmt: skip

@@ -117,11 +117,18 @@ def store_e4m3(ptr, v, scale):
 
 
 @cute.jit
-def store_cache(cache, slot, nslots, bs, s0, s1, s2, kvh, dim, val, fp8: cutlass.Constexpr, scale):
+def store_cache(cache, slot, nslots, bs, s0, s1, s2, kvh, dim, val, fp8: cutlass.Constexpr, scale,
+                narrow: cutlass.Constexpr = False):  # fmt: skip
     """cache[slot // bs, slot % bs, kvh, dim] = val (bf16), or e4m3(float(val) / scale) for an FP8 cache;
-    only for 0 <= slot < nslots (negative and out-of-range slots are not written)."""
+    only for 0 <= slot < nslots (negative and out-of-range slots are not written). narrow: the block and the
+    offset by a 32-bit division (the loader keeps nslots < 2**31; ptxas's 64-bit division routine needs
+    registers that the token stream's kernels hold)."""
     if slot >= 0 and slot < nslots:
-        off = (slot // bs) * s0 + (slot % bs) * s1 + kvh * s2 + dim
+        if cutlass.const_expr(narrow):
+            s32 = Int32(slot)
+            off = Int64(s32 // bs) * s0 + Int64(s32 % bs) * s1 + kvh * s2 + dim
+        else:
+            off = (slot // bs) * s0 + (slot % bs) * s1 + kvh * s2 + dim
         if cutlass.const_expr(fp8):
             store_e4m3(cache + off, val.to(Float32), scale)
         else:

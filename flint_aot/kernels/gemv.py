@@ -1,35 +1,39 @@
 """Standalone GEMV (the unfused path, docs/numerics.md §2): y[M, N] = bf16(x[M, 2048] · Wᵀ), BF16 or NVFP4 W.
 
-One CTA of 128 threads per 16 rows, no cluster, M up to the token tile (8 or 16); the CTA's GEMV is
-gemv_core.CtaGemv, the very code of the fused qkv kernel, so y is bit-identical to the fused kernel's qkv
-values. PDL: releases its dependents at entry, streams its weights, then waits for the producer of x. Row
-offsets are 32-bit: N <= loader.abi.MAX_GEMV_ROWS (the loader checks it)."""
+Tile 8 (M <= 8): one CTA of 128 threads per 16 rows, no cluster (gemv_core.CtaGemv: warp w takes K quarter
+w). Tiles 16, 32, 64: the token stream (gemv_core.StreamGemv): clusters of 4 CTAs, one per K quarter, each
+CTA 64 rows of its quarter, x arriving 8 tokens at a time; the grid rounds the row blocks up to a multiple of
+4 (a block past N reads the last block's rows and is never stored). Either way the very code of the fused
+kernel, so y is bit-identical to the fused kernel's qkv values. PDL: releases its dependents at entry,
+streams its weights, then waits for the producer of x. Row offsets are 32-bit: N <= loader.abi.MAX_GEMV_ROWS
+(the loader checks it)."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, Int32
 
-from flint_aot.kernels import device
 from flint_aot.kernels import gemv_core as core
 from flint_aot.kernels.compile import Kernel
+from flint_aot.kernels.gemv_core import GROUP
+from loader.abi import GRID_STREAM_GEMV, STREAM_CLUSTER_GEMV
 
 
 class GemvKernel(Kernel):
-    """The standalone GEMV of one specialization: weight format and token tile, set once. Tile 16 stages x
-    (m rows) in dynamic shared memory by bulk copies, as the fused kernel does: read from global memory, the
-    fragments of 16 tokens would not fit beside the weights in the registers of 3 CTAs per SM."""
+    """The standalone GEMV of one specialization: weight format and token tile, set once."""
 
     kind, block = "gemv", (core.THREADS, 1, 1)
 
     def __init__(self, spec: dict):
         self.fp4 = spec["weight_format"] == "nvfp4"
         self.tile = spec.get("max_m", 8)
-        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_GEMV)
-        self.xrow = core.smem_row(self.fp4)
-        self.dyn_smem_per_m = self.xrow * 2 if self.tile > 8 else 0
-        self.min_ctas_per_sm = 3 if self.tile > 8 else 0
+        if self.tile == 8:
+            self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_GEMV)
+        else:
+            self.stream = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
+            self.cluster, self.grid = (STREAM_CLUSTER_GEMV, 1, 1), GRID_STREAM_GEMV
+            self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM
 
     @cute.kernel
     def kernel(self, x: cute.Pointer, weight: cute.Pointer, weight_scale: cute.Pointer,
@@ -37,43 +41,77 @@ class GemvKernel(Kernel):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.tile > 8):
-            xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
-            mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
-            self.expect_rows(tid, m, mbx)
-            copy = lambda: self.copy_rows(tid, m, x, xs, mbx)  # noqa: E731
-            st = self.gemv.start(weight, weight_scale, global_scale, cta * core.ROWS, tid, m,
-                                 issued=None if self.fp4 else copy)  # fmt: skip
-            if cutlass.const_expr(self.fp4):
-                copy()
-            sums = self.gemv.sums(st, core.SharedX(xs, self.xrow, mbx), m, tid)
-        else:
+        if cutlass.const_expr(self.tile == 8):
             st = self.gemv.start(weight, weight_scale, global_scale, cta * core.ROWS, tid, m)
-            sums = self.gemv.sums(st, x, m, tid)
-        for i in cutlass.range_constexpr(len(sums)):
-            self.store(y, sums[i], tid // core.ROWS + 8 * i if i else tid // core.ROWS, tid, cta, m, n)
+            self.store(y, self.gemv.sums(st, x, m, tid), cta, 0, tid, m, n)
+        else:
+            self.streamed(x, weight, weight_scale, global_scale, y, m, n, tid, cta)
+
+    def streamed(self, x, weight, weight_scale, global_scale, y, m, n, tid, cta):
+        """The token stream: this CTA is quarter q = rank of quad cta // 4; after each group's MMAs its
+        warps' partial sums go to their row blocks' owners (rank w), and the owner stores the group's
+        previous one (one group behind: its peers' sums are in flight meanwhile)."""
+        xs, red, mbx, mbr = self.stream.alloc()
+        self.arm(xs, red, mbx, mbr, tid)
+        q = cute.arch.block_idx_in_cluster()
+        quad = cta // STREAM_CLUSTER_GEMV
+        rb = cutlass.min(quad * core.WARPS + tid // 32, n // core.ROWS - 1)  # this warp's row block (clamped)
+        first = lambda: self.first(xs, mbx, x, q, m, tid)  # noqa: E731
+        st = self.stream.start(weight, weight_scale, global_scale, rb * core.ROWS, q, tid, m,
+                               issued=None if self.fp4 else first)  # fmt: skip
+        if cutlass.const_expr(self.fp4):
+            first()
+        self.groups(st, xs, red, mbx, mbr, x, y, m, n, tid, q, quad)
 
     @cute.jit
-    def expect_rows(self, tid, m, mbx):
-        """The mbarrier the x rows arrive on, expecting m rows."""
+    def arm(self, xs, red, mbx, mbr, tid):
         if tid == 0:
-            cute.arch.mbarrier_init(mbx, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.mbarrier_arrive_and_expect_tx(mbx, m * (core.K * 2))
-        cute.arch.sync_threads()
+            self.stream.arm(xs, red, mbx, mbr)
+        cute.arch.cluster_arrive_relaxed()  # (peers send to mbr once they have waited for this)
 
     @cute.jit
-    def copy_rows(self, tid, m, x, xs, mbx):
-        """Threads tid < m wait for the producer of x themselves and bulk-copy row tid into shared memory."""
-        if tid < m:
+    def groups(self, st, xs, red, mbx, mbr, x, y, m, n, tid, q, quad):
+        for i in cutlass.range_constexpr(self.stream.groups + 1):
+            if cutlass.const_expr(i < self.stream.groups):
+                if GROUP * i < m:
+                    self.group(st, xs, red, mbx, mbr, x, m, tid, q, i)
+            if cutlass.const_expr(i >= 1):
+                if GROUP * (i - 1) < m:
+                    self.store(y, self.stream.total(st, red, mbr, i - 1, tid), quad * core.WARPS + q, i - 1, tid,
+                               m, n)  # fmt: skip
+
+    @cute.jit
+    def group(self, st, xs, red, mbx, mbr, x, m, tid, q, i: cutlass.Constexpr):
+        """Group i's MMAs; its ring stage refilled with group i + stages; its partial sums sent."""
+        d = self.stream.partials(st, self.stream.stage(xs, mbx, i), i, m, tid)
+        if cutlass.const_expr(i + self.stream.stages < self.stream.groups):
+            cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
+            self.refill(xs, mbx, x, q, i + self.stream.stages, m, tid)
+        if cutlass.const_expr(i == 0):
+            cute.arch.cluster_wait()  # the peers' mbarriers are initialised
+        self.stream.send(red, mbr, d, i, q, tid)
+
+    @cute.jit
+    def refill(self, xs, mbx, x, q, i: cutlass.Constexpr, m, tid):
+        if tid < GROUP and GROUP * i < m:
+            self.stream.fill(xs, mbx, x, q, i, m, tid)
+
+    @cute.jit
+    def first(self, xs, mbx, x, q, m, tid):
+        """Threads tid < 8 wait for x's producer themselves (the weights may still be in flight) and copy the
+        first groups into the ring."""
+        if tid < GROUP:
             cute.arch.griddepcontrol_wait()
-            device.bulk_copy(xs + tid * self.xrow, x + tid * core.K, mbx, core.K * 2)
+            for i in cutlass.range_constexpr(self.stream.stages):
+                if GROUP * i < m:
+                    self.stream.fill(xs, mbx, x, q, i, m, tid)
 
     @cute.jit
-    def store(self, y, s, tk, tid, cta, m, n):
-        """y[tk, 16 cta + tid % 16] = bf16(s), for tokens tk < m."""
-        if tk < m:
-            yt = cute.make_tensor(y + (tk * n + cta * core.ROWS), cute.make_layout(core.ROWS))
+    def store(self, y, s: Float32, rb, i: cutlass.Constexpr, tid, m, n):
+        """y[8 i + tid // 16, 16 rb + tid % 16] = bf16(s), for tokens < m and row blocks inside N."""
+        tk = GROUP * i + tid // core.ROWS
+        if tk < m and rb < n // core.ROWS:
+            yt = cute.make_tensor(y + (tk * n + rb * core.ROWS), cute.make_layout(core.ROWS))
             yt[tid % core.ROWS] = s.to(BFloat16)
 
     def ptr_types(self) -> dict:

@@ -1,27 +1,28 @@
-"""The GEMV of one CTA (`CtaGemv`), shared by the fused qkv kernel and the standalone GEMV kernel: 16 output
-rows per CTA of 128 threads, all M tokens of a compile-time token tile (8 or 16: one or two groups of 8
-tokens, each an mma.sync N of 8), fp32 accumulation on tensor cores (mma.sync m16n8k16, bf16 in, fp32 out).
+"""The GEMV of one CTA, shared by the fused qkv kernel and the standalone GEMV kernel: tensor-core MMAs
+(mma.sync m16n8k16, bf16 in, fp32 accumulate) of weight rows (MMA-M, 16 per warp) and tokens (MMA-N, groups
+of 8). Two CTA shapes use it (docs/kernels.md §2):
+* `CtaGemv`, the 8-token kernels: a CTA of 128 threads owns 16 rows; warp w takes K quarter w;
+* `StreamGemv`, the token stream (tiles 16, 32, 64): a CTA owns one K quarter of 64 rows (warp w: row block
+  w of them), x arrives a group of 8 tokens at a time, and the quarters meet over DSMEM.
 
-K split and summation order (fixed, so every kernel built on it rounds the same sums):
-* warp w owns k in [512 w, 512 w + 512) as 16 blocks of 32; in block b, lane (g, t) = (lane / 4, lane % 4)
-  holds the 8 consecutive k in [512 w + 32 b + 8 t, +8) of rows g and g + 8 (one 16-byte load each) and
-  of token g (x). Those 8 k feed two mma.sync (pairs 0,1 then pairs 2,3: a K permutation, the same for A
-  and B, so the dot product is unchanged).
-* each warp accumulates its 32 mma in one chain per 16-wide half (acc[b % 2]) in block order, adds the two
-  chains, and the four warps' partial sums are added in warp order 0, 1, 2, 3 through shared memory.
-* tokens 8..15 (tile 16) are a second group: the same weight fragments, the MMAs of the two groups
-  interleaved, each group's chains exactly those of the first. A token's sum is the same whatever the
-  tile, so a tile-8 and a tile-16 kernel give the same bits.
+K split and summation order (fixed, so every kernel built on it rounds the same sums, whatever M and tile):
+* one warp's unit is 16 rows x one K quarter [512 q, 512 q + 512), 16 blocks of 32 k; in block b, lane
+  (g, t) = (lane / 4, lane % 4) holds the 8 consecutive k in [512 q + 32 b + 8 t, +8) of rows g and g + 8
+  (one 16-byte load each) and of token g (x). Those 8 k feed two mma.sync (pairs 0,1 then pairs 2,3: a K
+  permutation, the same for A and B, so the dot product is unchanged);
+* the unit accumulates its 32 mma in one chain per MMA of the block (acc[0], acc[1]) in block order and adds
+  the two chains; the four quarters' partial sums are added in quarter order 0, 1, 2, 3 (sum_quarters).
+Each token is an MMA column of its own, so its sum is the same in any tile and either CTA shape.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
-from flint_aot.kernels.device import lanes
+from flint_aot.kernels.device import bulk_copy, lanes
 from loader.abi import HIDDEN, NVFP4_ROW_BYTES, ROWS_PER_CTA, SCALE_COLS
 
 K = HIDDEN
@@ -65,10 +66,16 @@ def as_f32(i):
     return Float32(llvm.bitcast(Float32.mlir_type, i.ir_value()))
 
 
-def issue_weight_loads(w, row0, tid):
-    """Issue all of this thread's weight loads (32 x 16 B); returns [(lo, hi)] per k block."""
+def as_i32(f):
+    return Int32(llvm.bitcast(Int32.mlir_type, f.ir_value()))
+
+
+def issue_weight_loads(w, row0, tid, kq=None):
+    """Issue all of this thread's weight loads (32 x 16 B) of rows row0 + g and + 8 in K quarter kq (default:
+    the warp's); returns [(lo, hi)] per k block."""
     warp, _, g, t = lanes(tid)
-    wa = w + ((row0 + g) * K + warp * (NB * 32) + t * 8)
+    kq = warp if kq is None else kq
+    wa = w + ((row0 + g) * K + kq * (NB * 32) + t * 8)
     return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * K + b * 32))) for b in range(NB)]
 
 
@@ -86,16 +93,17 @@ def smem_row(fp4: bool) -> int:
 
 
 class SharedX:
-    """x [tile, K] staged in this CTA's shared memory (row stride `row` elements, smem_row) by bulk copies
-    (qkv.py: the cluster's multicast copies; gemv.py, tile 16); `ready()` waits on their mbarrier. Passed
-    instead of the global x pointer, it changes where the fragments come from, not the MMA sequence: results
-    stay bit-identical."""
+    """x rows staged in this CTA's shared memory (row stride `row` elements) by bulk copies: all of K for the
+    8-token kernels (qkv.py: the cluster's multicast copies), a group's K quarter in the token stream's ring;
+    `ready()` waits on their mbarrier (None: the caller has waited). Passed instead of the global x pointer,
+    it changes where the fragments come from, not the MMA sequence: results stay bit-identical."""
 
     def __init__(self, base, row, mbar):
         self.base, self.row, self.mbar = base, row, mbar
 
     def ready(self):
-        cute.arch.mbarrier_wait(self.mbar, 0)
+        if self.mbar is not None:
+            cute.arch.mbarrier_wait(self.mbar, 0)
 
     def load(self, tok, k):
         return ld_shared(self.base + (tok * self.row + k))
@@ -110,11 +118,6 @@ def _x_loads(x, tok, ks):
     return [ld_act(xa + k) for k in ks]
 
 
-def _x_load(x, tok, k):
-    """One 16-byte x fragment (shared memory: after SharedX.ready())."""
-    return x.load(tok, k) if isinstance(x, SharedX) else ld_act(x + (tok * K + k))
-
-
 def runtime_zero(regs, m):
     """An Int32 that is 0 at run time (m >= 1) but depends on every register in regs, so ptxas must issue
     every load before anything that uses it (it otherwise sinks loads next to their use, and may move
@@ -125,53 +128,45 @@ def runtime_zero(regs, m):
     return f & (m >> 31)
 
 
-def mma_partials(A, x, m, tid, zero, groups: int = 1):
-    """This warp's partial sums for its K quarter, per group of 8 tokens: [d0, d1, d2, d3] with d0/d1 = (row
-    g, tokens 8 i + 2t, +1), d2/d3 = (row g + 8, the same tokens). A from issue_weight_loads; x bf16 [m, K]
-    (tokens >= m read token m - 1; their columns are never stored)."""
+def mma_partials(A, x, tok, tid, zero, kx=None):
+    """This warp's partial sums over its K quarter for 8 tokens: [d0, d1, d2, d3] with d0/d1 = (row g, token
+    columns 2t, 2t + 1), d2/d3 = (row g + 8, the same columns). A from issue_weight_loads; x bf16 rows of K
+    (global) or a SharedX; tok: the row of x this lane's column g reads (columns past the last token repeat
+    it and are never stored); kx: x's element offset of the quarter (default: the warp's, warp * 512)."""
     warp, _, g, t = lanes(tid)
-    toks = [cutlass.min(g + 8 * i if i else g, m - 1) for i in range(groups)]
-    ks = [warp * (NB * 32) + t * 8 + b * 32 for b in range(NB)]
-    if groups == 1:
-        X = [_x_loads(x, toks[0], ks)]
-    else:  # each block's fragments loaded where they are used: ptxas would hoist them all, and spill
-        X = None
-        if isinstance(x, SharedX):
-            x.ready()
+    kx = warp * (NB * 32) if kx is None else kx
+    X = _x_loads(x, tok, [kx + t * 8 + b * 32 for b in range(NB)])
     z = as_f32(zero)
-    acc = [[[z, z, z, z], [z, z, z, z]] for _ in range(groups)]
+    acc = [[z, z, z, z], [z, z, z, z]]
     for b in range(NB):
         lo, hi = A[b]
-        xb = [Xi[b] for Xi in X] if X else [_x_load(x, tok, ks[b]) for tok in toks]
         for j in range(2):
-            for i in range(groups):
-                acc[i][j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),
-                                          (xb[i][2 * j], xb[i][2 * j + 1]), acc[i][j]))  # fmt: skip
-    return [[a[0][i] + a[1][i] for i in range(4)] for a in acc]
+            acc[j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),
+                                   (X[b][2 * j], X[b][2 * j + 1]), acc[j]))  # fmt: skip
+    return [acc[0][i] + acc[1][i] for i in range(4)]
 
 
-def reduce_rows(d, tid, red, tile: int = 8):
-    """Cross-warp sum in warp order. d: mma_partials' groups; red: smem fp32 tensor of WARPS*ROWS*tile. After
-    the call (it syncs the CTA) thread i gets the full sums for row i % 16 and tokens i // 16 + 8 j, one per
-    group j."""
+def reduce_rows(d, tid, red):
+    """Cross-warp sum in warp order. d: mma_partials' sums; red: smem fp32 tensor of WARPS*ROWS*8. After the
+    call (it syncs the CTA) thread i holds the full sum of row i % 16, token i // 16."""
     warp, _, g, t = lanes(tid)
-    base0 = warp * (ROWS * tile) + g * tile + 2 * t
-    for i, di in enumerate(d):
-        base = base0 + 8 * i if i else base0
-        red[base] = di[0]
-        red[base + 1] = di[1]
-        red[base + 8 * tile] = di[2]
-        red[base + 8 * tile + 1] = di[3]
+    base = warp * (ROWS * 8) + g * 8 + 2 * t
+    red[base] = d[0]
+    red[base + 1] = d[1]
+    red[base + 8 * 8] = d[2]
+    red[base + 8 * 8 + 1] = d[3]
     cute.arch.sync_threads()
-    r = tid % ROWS
-    out = []
-    for i in range(len(d)):
-        tk = tid // ROWS + 8 * i if i else tid // ROWS
-        s = red[r * tile + tk]
-        for q in range(1, WARPS):
-            s = s + red[q * (ROWS * tile) + r * tile + tk]
-        out.append(s)
-    return out
+    return sum_quarters(red, tid)
+
+
+def sum_quarters(red, tid):
+    """Row tid % 16, token tid // 16 of the four K quarters' partial sums in red ([quarter][row][token], fp32),
+    added in quarter order 0, 1, 2, 3: the one summation order of every GEMV kernel."""
+    r, tk = tid % ROWS, tid // ROWS
+    s = red[r * 8 + tk]
+    for q in range(1, WARPS):
+        s = s + red[q * (ROWS * 8) + r * 8 + tk]
+    return s
 
 
 # ----------------------------------------------------------------------------- NVFP4 weights
@@ -201,20 +196,22 @@ def ld_weight_b32(ptr):
     )
 
 
-def issue_fp4_loads(wq, sf, row0, tid):
-    """This thread's code and scale loads, rows g and g + 8: (codes[2][16 words], scales[2][4 words]);
-    scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2)."""
+def issue_fp4_loads(wq, sf, row0, tid, kq=None):
+    """This thread's code and scale loads, rows row0 + g and + 8, K quarter kq (default: the warp's):
+    (codes[2][16 words], scales[2][4 words]); scales[row][c] is the swizzle group holding chunk c's two block
+    scales (in half t % 2)."""
     warp, _, g, t = lanes(tid)
+    kq = warp if kq is None else kq
     codes, scales = [], []
     for r in (row0 + g, row0 + g + 8):
-        a = wq + (r * KB + warp * (KB // WARPS) + t * 16)
+        a = wq + (r * KB + kq * (KB // WARPS) + t * 16)
         words = []
         for c in range(FP4_CHUNKS):
             words.extend(ld_weight(a + 64 * c))
         codes.append(words)
         # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2
         # (the offsets of docs/nvfp4.md §3)
-        grp = (r // 128) * (SCALE_COLS // 4) + warp * 8 + t // 2
+        grp = (r // 128) * (SCALE_COLS // 4) + kq * 8 + t // 2
         s = sf + (grp * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4)
         scales.append([ld_weight_b32(s + 1024 * c) for c in range(FP4_CHUNKS)])
     return codes, scales
@@ -283,48 +280,43 @@ def fp4_decode_rows(codes, scales, words, tid):
     return out
 
 
-def fp4_mma_partials(D, x, m, tid, groups: int = 1):
-    """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words).
-    The x loads are fenced: every one is issued right after the wait, before the first MMA."""
+def fp4_mma_partials(D, x, tok, tid, m, kx=None):
+    """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words), x
+    and tok as mma_partials. Global x loads are fenced: every one is issued right after the wait, before the
+    first MMA."""
     warp, _, g, t = lanes(tid)
-    ks = [warp * (K // WARPS) + t * 32 + 128 * (i // 4) + 8 * (i % 4) for i in range(FP4_WORDS)]
-    toks = [cutlass.min(g + 8 * j if j else g, m - 1) for j in range(groups)]
-    if groups == 1 or not isinstance(x, SharedX):
-        X = [_x_loads(x, tok, ks) for tok in toks]
-    else:  # each word's fragments loaded where they are used (as mma_partials)
-        X = None
-        x.ready()
+    kx = warp * (K // WARPS) if kx is None else kx
+    X = _x_loads(x, tok, [kx + t * 32 + 128 * (i // 4) + 8 * (i % 4) for i in range(FP4_WORDS)])
     if isinstance(x, SharedX):
         z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)
     else:
         flat = []
-        for v in [v for Xj in X for v in Xj]:
+        for v in X:
             flat.extend(v)
         z = as_f32(runtime_zero(flat, m))  # all global x loads issued at once, before the first MMA
-    acc = [[[z, z, z, z], [z, z, z, z]] for _ in range(groups)]
+    acc = [[z, z, z, z], [z, z, z, z]]
     for i in range(FP4_WORDS):
-        xw = [Xj[i] for Xj in X] if X else [x.load(tok, ks[i]) for tok in toks]
-        xp = [fp4_x_pairs(v) for v in xw]
+        xp = fp4_x_pairs(X[i])
         a, b = D[0][i], D[1][i]
         for h in range(2):
-            for j in range(groups):
-                acc[j][h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
-                                          (xp[j][2 * h], xp[j][2 * h + 1]), acc[j][h]))  # fmt: skip
-    return [[c[0][i] + c[1][i] for i in range(4)] for c in acc]
+            acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]), (xp[2 * h], xp[2 * h + 1]),
+                                   acc[h]))  # fmt: skip
+    return [acc[0][i] + acc[1][i] for i in range(4)]
 
 
 # ----------------------------------------------------------------------------- the GEMV of one CTA
-# The fused qkv kernel and the standalone GEMV both call these two, so their bf16 results are bit-identical.
-def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None):
-    """Issue this CTA's whole weight slice (NVFP4: codes, scales and the decode of `pre` of 16 words), then
-    griddepcontrol.wait, guarded by a run-time zero that depends on every loaded register (ptxas can
-    neither sink the loads below the wait nor hoist the wait above them). BF16: issued(), if given, runs
-    once the loads are issued, before any of them is waited for (the guard's chain starts from a clock read
-    after it, so ptxas cannot hoist the waits above it). Returns the state for CtaGemv.sums."""
+# The fused qkv kernel and the standalone GEMV both call these, so their bf16 results are bit-identical.
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None, kq=None):
+    """Issue this thread's whole weight slice (rows row0 + g, + 8 of K quarter kq, default the warp's; NVFP4:
+    codes, scales and the decode of `pre` of 16 words), then griddepcontrol.wait, guarded by a run-time zero
+    that depends on every loaded register (ptxas can neither sink the loads below the wait nor hoist the wait
+    above them). BF16: issued(), if given, runs once the loads are issued, before any of them is waited for
+    (the guard's chain starts from a clock read after it, so ptxas cannot hoist the waits above it). Returns
+    the state the MMAs take (partial_sums)."""
     st = {}
     if fp4:
         assert issued is None, "NVFP4: a warp waiting in issued() could not decode before the wait"
-        codes, scw = issue_fp4_loads(w, wsc, row0, tid)
+        codes, scw = issue_fp4_loads(w, wsc, row0, tid, kq)
         st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
         st["D"] = fp4_decode_rows(codes, scw, range(pre), tid)
         st["codes"], st["scw"], st["pre"] = codes, scw, pre
@@ -333,7 +325,7 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
             for regs in row.values():
                 flat.extend(regs)
     else:
-        st["A"] = issue_weight_loads(w, row0, tid)
+        st["A"] = issue_weight_loads(w, row0, tid, kq)
         flat = []
         if issued is not None:
             issued()
@@ -352,55 +344,150 @@ def guarded_wait(zero: Int32):
         cute.arch.griddepcontrol_wait()
 
 
-def partial_sums(fp4: bool, st, x, m, tid, groups: int):
-    """This warp's MMAs (mma_partials / fp4_mma_partials, the rest of the NVFP4 decode first)."""
-    if fp4 and groups > 1:  # the rest of the decode word by word in the MMA loop: fewer registers live
-        D = [_LazyWords(st["D"][r], st["codes"], st["scw"], r, tid) for r in range(2)]
-        return fp4_mma_partials(D, x, m, tid, groups)
+def decode_rest(st, tid):
+    """NVFP4: the code words not decoded before the wait, decoded now (st["D"] then holds all 16)."""
+    rest = fp4_decode_rows(st["codes"], st["scw"], range(st["pre"], FP4_WORDS), tid)
+    st["D"] = [{**st["D"][i], **rest[i]} for i in range(2)]
+
+
+def partial_sums(fp4: bool, st, x, tok, tid, m, kx=None):
+    """This warp's MMAs for 8 tokens (mma_partials / fp4_mma_partials; NVFP4: after decode_rest)."""
     if fp4:
-        rest = fp4_decode_rows(st["codes"], st["scw"], range(st["pre"], FP4_WORDS), tid)
-        return fp4_mma_partials([{**st["D"][i], **rest[i]} for i in range(2)], x, m, tid, groups)
-    return mma_partials(st["A"], x, m, tid, st["zero"], groups)
+        return fp4_mma_partials(st["D"], x, tok, tid, m, kx)
+    return mma_partials(st["A"], x, tok, tid, st["zero"], kx)
 
 
-class _LazyWords:
-    """Decoded code words of one row: those decoded before the wait, the others decoded when first read."""
-
-    def __init__(self, done, codes, scw, row, tid):
-        self.done, self.codes, self.scw, self.row, self.tid = dict(done), codes, scw, row, tid
-
-    def __getitem__(self, i):
-        if i not in self.done:
-            scale = fp4_scale_pair(self.scw[self.row][i // 4], self.tid)[(i % 4) // 2]
-            self.done[i] = fp4_decode(self.codes[self.row][i], scale)
-        return self.done[i]
-
-
-def reduce_sums(fp4: bool, st, d, tid, tile: int):
-    """The four warps' partial sums added (reduce_rows), times the global scale for NVFP4."""
-    red = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * ROWS * tile, alignment=16),
-                           cute.make_layout(WARPS * ROWS * tile))  # fmt: skip
-    s = reduce_rows(d, tid, red, tile)
-    if fp4:
-        s = [v * st["gs"] for v in s]
-    return s
+def scaled(fp4: bool, st, v):
+    """A row sum times the global scale (x 2^7) for NVFP4."""
+    return v * st["gs"] if fp4 else v
 
 
 class CtaGemv:
-    """The GEMV of one CTA for one weight format and token tile: `start` issues the weight slice and waits for
-    the predecessor (weights_then_wait), `sums` computes this CTA's 16 rows for all tokens of the tile."""
+    """The 8-token GEMV of one CTA for one weight format: `start` issues the weight slice and waits for the
+    predecessor (weights_then_wait), `sums` computes this CTA's 16 rows for up to 8 tokens."""
 
-    def __init__(self, fp4: bool, tile: int, pre: int):
-        self.fp4, self.tile, self.pre = fp4, tile, pre
+    def __init__(self, fp4: bool, pre: int):
+        self.fp4, self.pre = fp4, pre
 
     def start(self, w, wsc, gsc, row0, tid, m, issued=None):
         return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
 
     def sums(self, st, x, m, tid, between=None):
-        """After start: thread tid gets the fp32 sums (times the global scale for NVFP4) of row tid % 16,
-        tokens tid // 16 + 8 j, one per group j of 8 tokens (syncs the CTA). between(), if given, runs after
-        this thread's MMAs, before the warps' sums are added (when the weight registers are free)."""
-        d = partial_sums(self.fp4, st, x, m, tid, self.tile // 8)
+        """After start: thread tid gets the fp32 sum (times the global scale for NVFP4) of row tid % 16, token
+        tid // 16 (syncs the CTA). between(), if given, runs after this thread's MMAs, before the warps' sums
+        are added."""
+        if self.fp4:
+            decode_rest(st, tid)
+        _, _, g, _ = lanes(tid)
+        d = partial_sums(self.fp4, st, x, cutlass.min(g, m - 1), tid, m)
         if between is not None:
             between()
-        return reduce_sums(self.fp4, st, d, tid, self.tile)
+        red = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * ROWS * 8, alignment=16),
+                               cute.make_layout(WARPS * ROWS * 8))  # fmt: skip
+        return scaled(self.fp4, st, reduce_rows(d, tid, red))
+
+
+# ----------------------------------------------------------------------------- the token stream (tiles > 8)
+# docs/kernels.md §2.5. The unit of work of the 8-token design, one warp's K quarter of 16 rows with its two
+# MMA chains, is kept, and so is the order in which the quarters are added; what changes is where the units
+# sit and how the tokens arrive:
+# * a CTA of 4 warps takes 64 rows (4 row blocks, warp w the block 4 quad + w) of ONE K quarter q; the 4 CTAs
+#   of one quad (its quarters 0..3) are 4 consecutive ranks of a cluster, 4 h + q;
+# * x arrives per group of 8 tokens, and only the CTA's quarter of it (8 x 1 KB, bulk copies into a ring of
+#   STAGES stages), so no resource of a CTA grows with M; each weight fragment, held in registers for the
+#   whole call, meets every group;
+# * after each group's MMAs every warp sends its 16 x 8 partial sums to the rank that owns its row block
+#   (4 h + w), by st.async; the owner adds the four quarters in order 0..3 (sum_quarters) and holds, like the
+#   8-token kernel after reduce_rows, the sum of row tid % 16, token 8 i + tid // 16.
+QUARTER = K // WARPS  # k per quarter (512)
+GROUP = 8  # tokens per group: one mma.sync N
+STAGES = 2  # x ring depth (groups in flight per CTA)
+PART_BYTES = WARPS * ROWS * GROUP * 4  # partial sums one owner receives per group (4 quarters, fp32)
+
+
+def stream_row(fp4: bool) -> int:
+    """Row stride (elements) of a group's x quarter in the ring: 1 KB + a pad with the bank property of
+    smem_row (16-byte fragments of rows g and g + 1 in different banks)."""
+    return QUARTER + (8 if fp4 else 32)
+
+
+class StreamGemv:
+    """The token stream's GEMV of one CTA (tiles 16, 32, 64): `alloc` / `arm` set up its shared memory and
+    mbarriers, `start` issues the weights of this thread (K quarter q) and waits for the predecessor, `fill`
+    brings a group's x quarter into the ring, `partials` runs a group's MMAs, `send` hands them to the row
+    blocks' owners, `total` is the owner's sum. The caller decides the order (docs/kernels.md §2.5)."""
+
+    def __init__(self, fp4: bool, tile: int, pre: int):
+        self.fp4, self.tile, self.pre = fp4, tile, pre
+        self.groups = tile // GROUP
+        self.stages = min(STAGES, self.groups)
+        self.xrow = stream_row(fp4)
+
+    def alloc(self):
+        """x ring [stage][token][xrow] bf16, the owners' partial sums [group][quarter][row][token] fp32, one
+        mbarrier per stage (x copies) and per group (partial sums)."""
+        xs = cute.arch.alloc_smem(BFloat16, self.stages * GROUP * self.xrow, alignment=128)
+        red = cute.arch.alloc_smem(Float32, self.groups * PART_BYTES // 4, alignment=16)
+        mbx = cute.arch.alloc_smem(Int64, self.stages, alignment=8)
+        mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
+        return xs, red, mbx, mbr
+
+    def arm(self, xs, red, mbx, mbr):
+        """Thread 0, before the cluster arrive: initialise the mbarriers; each group's expects its 4 quarters'
+        partial sums."""
+        for i in range(self.stages):
+            cute.arch.mbarrier_init(mbx + i, 1)
+        for i in range(self.groups):
+            cute.arch.mbarrier_init(mbr + i, 1)
+        cute.arch.mbarrier_init_fence()
+        for i in range(self.groups):
+            cute.arch.mbarrier_arrive_and_expect_tx(mbr + i, PART_BYTES)
+
+    def start(self, w, wsc, gsc, row0, q, tid, m, issued=None):
+        st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, q)
+        if self.fp4:
+            decode_rest(st, tid)  # every group uses every word
+        return st
+
+    @cute.jit
+    def fill(self, xs, mbx, x, q, i: cutlass.Constexpr, m, tid):
+        """Group i's tokens, quarter q of their rows of x (bf16 [m, K], written by the predecessor: the calling
+        threads, tid < 8, have waited for it), into ring stage i % stages: one 1 KB bulk copy per token, thread
+        0 arming the stage's mbarrier for them."""
+        stg = i % self.stages
+        n = cutlass.min(m - GROUP * i, GROUP)
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (QUARTER * 2))
+        if tid < n:
+            bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER), mbx + stg,
+                      QUARTER * 2)  # fmt: skip
+
+    def stage(self, xs, mbx, i: int, wait: bool = True):
+        """Ring stage of group i as a SharedX (after waiting for its copies, if wait)."""
+        stg = i % self.stages
+        if wait:
+            cute.arch.mbarrier_wait(mbx + stg, (i // self.stages) % 2)
+        return SharedX(xs + stg * GROUP * self.xrow, self.xrow, None)
+
+    def partials(self, st, x, i: int, m, tid):
+        """This warp's partial sums of group i (tokens 8 i ..): the 8-token design's MMA sequence on its
+        quarter; x: the group's stage."""
+        _, _, g, _ = lanes(tid)
+        return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0)
+
+    def send(self, red, mbr, d, i: int, rank, tid):
+        """Group i's partial sums of this warp's row block to its owner, rank 4 h + w, slot [i][q]."""
+        warp, _, g, t = lanes(tid)
+        q = rank % WARPS
+        base = cute.assume(((i * WARPS + q) * ROWS + g) * GROUP + 2 * t, divby=2)
+        owner = rank - q + warp
+        for half in range(2):
+            cute.arch.store_async_dsmem(red + (base + half * 8 * GROUP),
+                                        (as_i32(d[2 * half]), as_i32(d[2 * half + 1])), mbr + i, owner)  # fmt: skip
+
+    def total(self, st, red, mbr, i: int, tid):
+        """Owner: the fp32 sum of row tid % 16 of its row block, token 8 i + tid // 16 (quarters in order),
+        times the global scale for NVFP4."""
+        cute.arch.mbarrier_wait(mbr + i, 0)
+        part = cute.make_tensor(red + i * (PART_BYTES // 4), cute.make_layout(PART_BYTES // 4))
+        return scaled(self.fp4, st, sum_quarters(part, tid))

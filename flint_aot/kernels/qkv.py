@@ -52,7 +52,9 @@ from flint_aot.kernels.device import NORM_VEC
 from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM
 
 R = core.ROWS
-K_PART = core.K // CLUSTER  # activations each CTA of a cluster copies for all 8
+K_PART = core.K // CLUSTER  # activations each CTA of a cluster copies for all 8 (tile 8)
+GROUP = core.GROUP
+QUARTERS = core.WARPS  # the token stream: K quarters per row block, CTAs per quad (a quad: 64 rows)
 
 
 class QkvKernel(Kernel):
@@ -68,16 +70,18 @@ class QkvKernel(Kernel):
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
         self.prologue = spec.get("norm") == "prologue"
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
-        self.groups = self.tile // 8  # of 8 tokens: one mma.sync N each
-        self.xrow = core.smem_row(self.fp4)
-        self.gemv = core.CtaGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
-        # bytes each CTA of a q/k head receives over DSMEM: the 8 ranks' per-token sums of squares, and
-        # (RoPE) the 16 x tile values of its rotation partner (rank ^ 4), as fp32
-        self.rx_bytes = CLUSTER * self.tile * 4 + (R * self.tile * 4 if self.rope else 0)
-        # tile 16: x of m tokens in dynamic shared memory (m x row bytes, set by the loader per call), and
-        # registers within 3 CTAs per SM (one wave)
-        self.dyn_smem_per_m = self.xrow * 2 if self.tile > 8 else 0
-        self.min_ctas_per_sm = 3 if self.tile > 8 else 0
+        # the token stream (docs/kernels.md §2.5); research: debug_stream builds the 8-token tile so too
+        self.streamed = self.tile > GROUP or bool(spec.get("debug_stream"))
+        if self.streamed:
+            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
+            self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
+        else:
+            self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
+        self.groups = self.tile // GROUP
+        self.xrow = core.smem_row(self.fp4)  # tile 8: x of all K per token in shared memory
+        # bytes each CTA of a q/k head receives over DSMEM per group of 8 tokens: the 8 ranks' per-token sums
+        # of squares, and (RoPE) the 16 x 8 values of its rotation partner (rank ^ 4), as fp32
+        self.rx_bytes = CLUSTER * GROUP * 4 + (R * GROUP * 4 if self.rope else 0)
 
     @cute.kernel
     def kernel(
@@ -97,40 +101,37 @@ class QkvKernel(Kernel):
         head = cta // CLUSTER  # uniform over the cluster
         rank = cute.arch.block_idx_in_cluster()
         is_v = head >= self.nq + self.nkv
-        r = tid % R  # after reduce_rows: this thread's row (within the CTA) and token
+        r = tid % R  # after the quarters' sum: this thread's row (within the row block) and token
         tk = tid // R
         t = SimpleNamespace(tid=tid, cta=cta, head=head, rank=rank, is_v=is_v, r=r, tk=tk, dim=rank * R + r)
+        if cutlass.const_expr(self.streamed):
+            self.stream_kernel(a, t)
+        else:
+            self.tile8_kernel(a, t)
+
+    # ------------------------------------------------------------------------- tile 8 (docs/kernels.md §2.2)
+    def tile8_kernel(self, a, t):
+        """M <= 8: the CTA owns 16 rows (rank r: the head's dims 16 r ..) over all K, x of all 8 tokens in its
+        shared memory (xn multicast once per cluster, or the split input norm), warps = K quarters."""
         s = self.shared(a, t)
-        e = SimpleNamespace(slot=[], ok=[], c=[], sn=[])  # the epilogue's inputs
-        if cutlass.const_expr(self.groups == 1):
-            e.wn, e.wp = self.norm_weights(a, t)
+        wn, wp = self.norm_weights(a, t)
         # the weight stream, issued before griddepcontrol.wait (which follows it). BF16: the activations are
         # fetched as soon as the weight loads are issued (by threads that wait for the predecessor
         # themselves), NVFP4 after the guarded wait: a waiting thread's warp cannot decode (measured,
         # two-kernel design: BF16 up to 0.17 us per layer faster, NVFP4 0.1-0.35 slower that way)
-        wst = self.gemv.start(weight, weight_scale, global_scale, cta * R, tid, m,
+        wst = self.gemv.start(a.weight, a.weight_scale, a.global_scale, t.cta * R, t.tid, a.m,
                               issued=None if self.fp4 else lambda: self.activations(a, t, s))  # fmt: skip
         if cutlass.const_expr(self.fp4):
             self.activations(a, t, s)
-        if cutlass.const_expr(self.groups == 1):
-            self.epilogue_inputs(a, t, e, [0])
+        e = self.epilogue_inputs(a, t, 0)
+        scale = self.cache_scale(a, t)
         if cutlass.const_expr(self.prologue):
             self.input_norm(a, t, s)
-        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), m, tid,
-                             between=lambda: self.late_inputs(a, t, e))  # fmt: skip
-        h = [v.to(BFloat16) for v in acc]  # qkv[token, head * 128 + dim], rounded once
-        self.epilogue(a, t, s, e, h)
-
-    def late_inputs(self, a, t, e):
-        """Tile 16: the epilogue inputs and the norm weights once the MMAs end and free the weights' registers
-        (live across the MMAs, they would not fit beside the weights of 16 tokens: ptxas spills)."""
-        if cutlass.const_expr(self.groups > 1):
-            self.epilogue_inputs(a, t, e, range(self.groups))
-            e.wn, e.wp = self.norm_weights(a, t)
-
-    def tokens(self, t):
-        """This thread's tokens after reduce_rows: tk, and tk + 8 with a tile of 16."""
-        return [t.tk + 8 * i if i else t.tk for i in range(self.groups)]
+        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), a.m, t.tid)
+        hv = acc.to(BFloat16).to(Float32)  # qkv[token, head * 128 + dim], rounded once
+        buf = (s.ssq, s.pv, s.mbar)
+        self.epilogue_send(a, t, buf, hv, 0, scale, e)
+        self.epilogue_finish(a, t, buf, hv, 0, scale, e, wn, wp)
 
     @cute.jit
     def shared(self, a, t):
@@ -139,17 +140,13 @@ class QkvKernel(Kernel):
         copies (separate design) or the peers' slices of r and sums of squares (prologue design; ssn:
         [src rank][token], apart from ssq, which a peer ahead of this CTA may already be writing). q/k heads
         also receive their peers' st.async on mbar."""
-        tile = self.tile
-        ssq = cute.arch.alloc_smem(Float32, CLUSTER * tile, alignment=16)  # [src rank][token]
-        pv = cute.arch.alloc_smem(Float32, R * tile, alignment=16)  # partner rows [row][token]
+        ssq = cute.arch.alloc_smem(Float32, CLUSTER * GROUP, alignment=16)  # [src rank][token]
+        pv = cute.arch.alloc_smem(Float32, R * GROUP, alignment=16)  # partner rows [row][token]
         mbar = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        if cutlass.const_expr(tile > 8):
-            xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
-        else:
-            xs = cute.arch.alloc_smem(BFloat16, tile * self.xrow, alignment=128)
+        xs = cute.arch.alloc_smem(BFloat16, GROUP * self.xrow, alignment=128)
         ssn = ssq
         if cutlass.const_expr(self.prologue):
-            ssn = cute.arch.alloc_smem(Float32, CLUSTER * tile, alignment=16)
+            ssn = cute.arch.alloc_smem(Float32, CLUSTER * GROUP, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if t.tid == 0:
             cute.arch.mbarrier_init(mbx, 1)
@@ -167,106 +164,12 @@ class QkvKernel(Kernel):
         cute.arch.cluster_arrive_relaxed()
         return SimpleNamespace(ssq=ssq, pv=pv, mbar=mbar, xs=xs, ssn=ssn, mbx=mbx)
 
-    def norm_weights(self, a, t):
-        """The q/k norm weights of this thread's dim and of its rotation partner (model constants)."""
-        qw = cute.make_tensor(a.q_norm_weight, cute.make_layout(HEAD_DIM))
-        kw = cute.make_tensor(a.k_norm_weight, cute.make_layout(HEAD_DIM))
-        is_q, dim = t.head < self.nq, t.dim
-        wn = Float32(cutlass.select_(is_q, qw[dim].to(Float32), kw[dim].to(Float32)))
-        wp = Float32(cutlass.select_(is_q, qw[dim ^ HALF_DIM].to(Float32), kw[dim ^ HALF_DIM].to(Float32)))
-        return wn, wp
-
     def activations(self, a, t, s):
         """The activations into shared memory: xn by multicast copies, or the input norm's first half."""
         if cutlass.const_expr(self.prologue):
             self.norm_slices(a, t, s)
         else:
             self.copy_activations(a, t, s)
-
-    @cute.jit
-    def epilogue_inputs(self, a, t, e, groups):
-        """Per-token inputs of the epilogue (slot, RoPE coefficients) of the given token groups, and the FP8
-        scale, issued after the wait so their latency hides under the GEMV."""
-        for i in groups:
-            tok = self.tokens(t)[i]
-            slot = Int64(-1)
-            if tok < a.num_slot_mapping:
-                slot = cute.make_tensor(a.slot_mapping, cute.make_layout(self.tile))[tok]
-            c = Float32(1.0)
-            sn = Float32(0.0)
-            ok = True
-            if cutlass.const_expr(self.rope):
-                p = cute.make_tensor(a.positions, cute.make_layout(self.tile))[cutlass.min(tok, a.m - 1)]
-                ok, c, sn = device.rope_coeffs(a.cos_sin_cache, p, a.max_pos, t.dim)
-            e.slot.append(slot)
-            e.ok.append(ok)
-            e.c.append(c)
-            e.sn.append(sn)
-        if cutlass.const_expr(0 in groups):
-            e.scale = Float32(1.0)
-            if cutlass.const_expr(self.fp8):
-                e.scale = Float32(cutlass.select_(t.is_v, device.at(a.v_scale, 0)[0],
-                                                  device.at(a.k_scale, 0)[0]))  # fmt: skip
-
-    @cute.jit
-    def epilogue(self, a, t, s, e, h):
-        """v head: its rows to the paged cache. q/k head: per token, the 16 dims' sum of squares to every CTA
-        of the head and the rows to the RoPE partner (rank ^ 4) by st.async, then the RMSNorm (fp32, sums in
-        rank order: the same in all 8 CTAs), NeoX RoPE and one bf16 rounding of its own 16 dims, stored as q
-        or into the k cache (an FP8 cache: e4m3(value / scale) of the same bf16 values)."""
-        if t.is_v:
-            self.v_head(a, t, e, h)
-        else:
-            self.qk_head(a, t, s, e, h)
-
-    def geometry(self, a):
-        return a.num_cache_slots, a.block_size, a.stride_block, a.stride_slot, a.stride_head
-
-    @cute.jit
-    def v_head(self, a, t, e, h):
-        for i in cutlass.range_constexpr(self.groups):
-            tok = self.tokens(t)[i]
-            if tok < a.m:
-                device.store_cache(a.v_cache, e.slot[i], *self.geometry(a), t.head - (self.nq + self.nkv),
-                                   t.dim, h[i], self.fp8, e.scale)  # fmt: skip
-
-    @cute.jit
-    def qk_head(self, a, t, s, e, h):
-        tile, tokens = self.tile, self.tokens(t)
-        hv = [v.to(Float32) for v in h]
-        for i in cutlass.range_constexpr(self.groups):
-            part = hv[i] * hv[i]  # this CTA's 16 dims of the token: a 16-lane butterfly (every lane's sum)
-            for o in (1, 2, 4, 8):
-                part = part + cute.arch.shuffle_sync_bfly(part, o)
-            if t.r < CLUSTER:  # lane r sends the partial to rank r
-                cute.arch.store_async_dsmem(s.ssq + (t.rank * tile + tokens[i]), device.f32_bits(part),
-                                            s.mbar, t.r)  # fmt: skip
-            if cutlass.const_expr(self.rope):
-                cute.arch.store_async_dsmem(s.pv + (t.r * tile + tokens[i]), device.f32_bits(hv[i]), s.mbar,
-                                            t.rank ^ (CLUSTER // 2))  # fmt: skip
-        cute.arch.mbarrier_wait(s.mbar, 0)
-        st = cute.make_tensor(s.ssq, cute.make_layout(CLUSTER * tile))
-        for i in cutlass.range_constexpr(self.groups):
-            self.qk_store(a, t, s, e, i, st, hv[i], tokens[i])
-
-    @cute.jit
-    def qk_store(self, a, t, s, e, i, st, hv, tok):
-        tile, nq = self.tile, self.nq
-        tot = st[tok]
-        for j in range(1, CLUSTER):  # rank order: the same sum in every CTA of the head
-            tot = tot + st[j * tile + tok]
-        inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
-        y = hv * inv * e.wn
-        if cutlass.const_expr(self.rope):
-            yp = cute.make_tensor(s.pv, cute.make_layout(R * tile))[t.r * tile + tok] * inv * e.wp
-            y = device.rotate(y, yp, e.ok[i], e.c[i], e.sn[i], t.dim)
-        yb = y.to(BFloat16)
-        if tok < a.m:
-            if t.head < nq:
-                device.put(a.q, tok * (nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yb)
-            else:
-                device.store_cache(a.k_cache, e.slot[i], *self.geometry(a), t.head - nq, t.dim, yb, self.fp8,
-                                   e.scale)  # fmt: skip
 
     @cute.jit
     def copy_activations(self, a, t, s):
@@ -292,7 +195,7 @@ class QkvKernel(Kernel):
         cute.arch.griddepcontrol_wait()
         warp, lane, _, _ = device.lanes(t.tid)
         col = t.rank * K_PART + lane * NORM_VEC  # this lane's chunk of the CTA's slice
-        for j in range(self.tile // core.WARPS):  # token warp + 4 j
+        for j in range(GROUP // core.WARPS):  # token warp + 4 j
             tok = warp + j * core.WARPS
             if tok < a.m:
                 if a.has_residual != 0:
@@ -305,16 +208,9 @@ class QkvKernel(Kernel):
         """norm_slices' part of one token in one warp: this lane's chunk of r, the warp's sum of squares; r
         kept in xs and sent to the 7 peers, the sum to all 8 (lane d to rank d)."""
         off = cute.assume(tok * core.K + col, divby=NORM_VEC)
-        if cutlass.const_expr(res):
-            rv = device.load_vec(a.residual + off, NORM_VEC)
-        else:  # r = x + (-0.0) = x exactly: the same arithmetic as with a residual
-            rv = cute.full((NORM_VEC,), -0.0, BFloat16)
-        r, ss = device.norm_residual(device.load_vec(a.x + off, NORM_VEC), rv)
+        r, ss = self.residual_chunk(a, t, off, res, t.head == 0)
         ss = cute.arch.warp_reduction_sum(ss)
         rb = r.to(BFloat16)
-        if cutlass.const_expr(res):
-            if t.head == 0:
-                device.store_vec(a.residual_out + off, rb, NORM_VEC)
         xo = cute.assume(tok * self.xrow + col, divby=NORM_VEC)
         device.store_vec(s.xs + xo, rb, NORM_VEC)
         words = device.load_vec(cute.recast_ptr(s.xs + xo, dtype=Int32), 4)  # (this thread's own store)
@@ -322,7 +218,22 @@ class QkvKernel(Kernel):
             cute.arch.store_async_dsmem(s.xs + xo, (words[0], words[1], words[2], words[3]), s.mbx,
                                         (t.rank + d) % CLUSTER)  # fmt: skip
         if lane < CLUSTER:  # lane d sends the slice's sum to rank d
-            cute.arch.store_async_dsmem(s.ssn + (t.rank * self.tile + tok), device.f32_bits(ss), s.mbx, lane)
+            cute.arch.store_async_dsmem(s.ssn + (t.rank * GROUP + tok), device.f32_bits(ss), s.mbx, lane)
+
+    @cute.jit
+    def residual_chunk(self, a, t, off, res: cutlass.Constexpr, writes):
+        """r = bf16(x + residual) of the 8 elements at off (as fp32) and their sum of squares; without a
+        residual r = x + (-0.0) = x exactly (the same arithmetic). writes: this thread stores r into
+        residual_out."""
+        if cutlass.const_expr(res):
+            rv = device.load_vec(a.residual + off, NORM_VEC)
+        else:
+            rv = cute.full((NORM_VEC,), -0.0, BFloat16)
+        r, ss = device.norm_residual(device.load_vec(a.x + off, NORM_VEC), rv)
+        if cutlass.const_expr(res):
+            if writes:
+                device.store_vec(a.residual_out + off, r.to(BFloat16), NORM_VEC)
+        return r, ss
 
     @cute.jit
     def input_norm(self, a, t, s):
@@ -333,14 +244,278 @@ class QkvKernel(Kernel):
         w = [device.load_vec(a.norm_weight + v * NORM_VEC, NORM_VEC) for v in chunks]
         cute.arch.mbarrier_wait(s.mbx, 0)
         cute.arch.sync_threads()  # (this CTA's own slice was written by its threads, not by the mbarrier)
-        sn = cute.make_tensor(s.ssn, cute.make_layout(CLUSTER * self.tile))
+        sn = cute.make_tensor(s.ssn, cute.make_layout(CLUSTER * GROUP))
         for i in range(a.m):
-            sc = device.norm_scale([sn[j * self.tile + i] for j in range(CLUSTER)], a.eps)
+            sc = device.norm_scale([sn[j * GROUP + i] for j in range(CLUSTER)], a.eps)
             for j, v in enumerate(chunks):
                 off = cute.assume(i * self.xrow + v * NORM_VEC, divby=NORM_VEC)
                 r = device.load_vec(s.xs + off, NORM_VEC).to(Float32)
                 device.store_vec(s.xs + off, device.norm_apply(r, sc, w[j]), NORM_VEC)
         cute.arch.sync_threads()
+
+    # ------------------------------------------------------------------- the token stream (docs/kernels.md §2.5)
+    def stream_kernel(self, a, t):
+        """Tiles 16, 32, 64: the CTA of rank 4 h + q computes K quarter q of the head's rows 64 h .. 64 h + 63
+        (gemv_core.StreamGemv) for one group of 8 tokens after another; the quarters' partial sums meet at
+        the owner of each row block (rank 4 h + w, the head's dims 16 (4 h + w) ..), whose epilogue is the
+        8-token kernel's, group by group. Software-pipelined by groups: the MMAs of group i, the sum and the
+        exchange of group i - 1 and the stores of group i - 2 (each waits for bytes sent one group earlier)."""
+        s = self.stream_shared(a, t)
+        q = t.rank % QUARTERS
+        row0 = ((t.cta // QUARTERS) * QUARTERS + t.tid // 32) * R  # this warp's row block
+        first = lambda: self.stream_first(a, t, s, q)  # noqa: E731
+        st = self.core.start(a.weight, a.weight_scale, a.global_scale, row0, q, t.tid, a.m,
+                             issued=None if self.fp4 else first)  # fmt: skip
+        if cutlass.const_expr(self.fp4):
+            first()
+        scale = self.cache_scale(a, t)
+        if cutlass.const_expr(self.prologue):
+            self.stream_norm_fill(a, t, s, q, 0)
+            cute.arch.sync_threads()
+        ins = [None] * self.groups
+        hvs = [None] * self.groups
+        for i in range(self.groups + 2):  # (trace time: unrolled)
+            if 1 <= i <= self.groups:  # group i - 1's epilogue inputs: their latency under group i's MMAs
+                ins[i - 1] = self.epilogue_inputs(a, t, i - 1)
+            if i < self.groups:
+                self.stream_mma(a, t, s, st, q, i)
+            if 1 <= i <= self.groups:
+                hvs[i - 1] = self.stream_send(a, t, s, st, i - 1, scale, ins[i - 1])
+            if i >= 2:
+                self.stream_finish(a, t, s, hvs[i - 2], i - 2, scale, ins[i - 2])
+
+    @cute.jit
+    def stream_shared(self, a, t):
+        """The stream's shared memory (gemv_core.StreamGemv.alloc) and, per group, the epilogue's exchange
+        buffers and mbarrier (as tile 8's ssq, pv, mbar); prologue design: ssn [token][virtual warp], the 8
+        slice sums of squares of each token, on mbn. Initialised before the cluster arrive."""
+        xs, red, mbx, mbr = self.core.alloc()
+        ssq = cute.arch.alloc_smem(Float32, self.groups * CLUSTER * GROUP, alignment=16)
+        pv = cute.arch.alloc_smem(Float32, self.groups * R * GROUP, alignment=16)
+        mbar = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
+        ssn = ssq
+        mbn = mbar
+        if cutlass.const_expr(self.prologue):
+            ssn = cute.arch.alloc_smem(Float32, self.tile * CLUSTER, alignment=16)
+            mbn = cute.arch.alloc_smem(Int64, 1, alignment=8)
+        if t.tid == 0:
+            self.core.arm(xs, red, mbx, mbr)
+            for i in cutlass.range_constexpr(self.groups):
+                cute.arch.mbarrier_init(mbar + i, 1)
+            if cutlass.const_expr(self.prologue):
+                cute.arch.mbarrier_init(mbn, 1)
+            cute.arch.mbarrier_init_fence()
+            if not t.is_v:
+                for i in cutlass.range_constexpr(self.groups):
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + i, self.rx_bytes)
+            if cutlass.const_expr(self.prologue):  # 2 sums from each of the 4 quarters' CTAs, per token
+                cute.arch.mbarrier_arrive_and_expect_tx(mbn, a.m * (CLUSTER * 4))
+        cute.arch.cluster_arrive_relaxed()
+        return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssq=ssq, pv=pv, mbar=mbar, ssn=ssn, mbn=mbn)
+
+    def stream_first(self, a, t, s, q):
+        """Once the weights are issued (BF16) or after the guarded wait (NVFP4): the separate design's first
+        ring stages (threads tid < 8, waiting for the predecessor themselves), or the prologue design's sums
+        of squares (every thread)."""
+        if cutlass.const_expr(self.prologue):
+            self.stream_norm_sums(a, t, s, q)
+        else:
+            self.stream_copy_first(a, t, s, q)
+
+    @cute.jit
+    def stream_copy_first(self, a, t, s, q):
+        if t.tid < GROUP:
+            cute.arch.griddepcontrol_wait()
+            for i in cutlass.range_constexpr(self.core.stages):
+                if GROUP * i < a.m:
+                    self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+
+    @cute.jit
+    def stream_mma(self, a, t, s, st, q, i: cutlass.Constexpr):
+        """Group i's MMAs and partial sums to the row blocks' owners; its ring stage refilled (separate design:
+        bulk copies of group i + stages once every warp has read it; prologue design: group i + 1 normalised
+        into the other stage after the MMAs, then a CTA barrier)."""
+        if GROUP * i < a.m:
+            if cutlass.const_expr(self.prologue):
+                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)
+                if cutlass.const_expr(i + 1 < self.groups):  # (the other stage: read by group i - 1's MMAs,
+                    self.stream_norm_fill(a, t, s, q, i + 1)  # which every warp ended before the last barrier)
+                cute.arch.sync_threads()
+            else:
+                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
+                if cutlass.const_expr(i + self.core.stages < self.groups):
+                    cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
+                    if t.tid < GROUP and GROUP * (i + self.core.stages) < a.m:
+                        self.core.fill(s.xs, s.mbx, a.x, q, i + self.core.stages, a.m, t.tid)
+                if cutlass.const_expr(i == 0):
+                    cute.arch.cluster_wait()  # the peers' mbarriers are initialised
+            self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
+
+    @cute.jit
+    def stream_send(self, a, t, s, st, i: cutlass.Constexpr, scale, e):
+        """Group i at the owner: the quarters' sum rounded to bf16 (returned as fp32), then the epilogue's
+        first half (v head: the cache store; q/k head: the exchange)."""
+        hv = Float32(0.0)
+        if GROUP * i < a.m:
+            hv = self.core.total(st, s.red, s.mbr, i, t.tid).to(BFloat16).to(Float32)
+            self.epilogue_send(a, t, self.group_buffers(s, i), hv, i, scale, e)
+        return hv
+
+    @cute.jit
+    def stream_finish(self, a, t, s, hv, i: cutlass.Constexpr, scale, e):
+        """Group i's stores (q/k heads), the q/k norm weights read here (L1 hits after the first group:
+        registers held across the MMAs would spill)."""
+        if GROUP * i < a.m:
+            wn, wp = self.norm_weights(a, t)
+            self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)
+
+    def group_buffers(self, s, i: int):
+        return (s.ssq + i * (CLUSTER * GROUP), s.pv + i * (R * GROUP), s.mbar + i)
+
+    @cute.jit
+    def stream_norm_sums(self, a, t, s, q):
+        """The prologue design's input RMSNorm, first pass: CTA 4 h + q computes, for every token (warp w:
+        tokens w, w + 4, ..), the sums of squares of r = bf16(x + residual) over the norm kernel's virtual warps
+        2 q and 2 q + 1 (k in [512 q, 512 q + 512): the same chunks, lanes and butterfly) and sends both to the
+        4 CTAs of its half (which hold the other quarters), on mbn. The first head's CTAs of half 0 write
+        residual_out."""
+        cute.arch.cluster_wait()
+        cute.arch.griddepcontrol_wait()
+        warp, lane, _, _ = device.lanes(t.tid)
+        for j in range(self.tile // core.WARPS):  # token warp + 4 j
+            tok = warp + j * core.WARPS
+            if tok < a.m:
+                if a.has_residual != 0:
+                    self.stream_norm_sum(a, t, s, q, tok, lane, True)
+                else:
+                    self.stream_norm_sum(a, t, s, q, tok, lane, False)
+
+    @cute.jit
+    def stream_norm_sum(self, a, t, s, q, tok, lane, res: cutlass.Constexpr):
+        sums = []
+        for v in cutlass.range_constexpr(2):  # virtual warps 2 q + v
+            off = cute.assume(tok * core.K + q * core.QUARTER + v * (32 * NORM_VEC) + lane * NORM_VEC,
+                              divby=NORM_VEC)  # fmt: skip
+            _, ss = self.residual_chunk(a, t, off, res, t.cta < QUARTERS)
+            sums.append(device.f32_bits(cute.arch.warp_reduction_sum(ss)))
+        if lane < QUARTERS:  # lane d sends both sums to rank 4 h + d
+            dst = cute.assume(tok * CLUSTER + 2 * q, divby=2)
+            cute.arch.store_async_dsmem(s.ssn + dst, (sums[0], sums[1]), s.mbn, t.rank - q + lane)
+
+    @cute.jit
+    def stream_norm_fill(self, a, t, s, q, i: cutlass.Constexpr):
+        """The prologue design's second pass for group i: xn of the group's tokens, this CTA's quarter, into
+        ring stage i % stages (rows 2 j + tid // 64, 8 elements at column 8 (tid % 64) each): r recomputed
+        from x and the residual (the same bits), scaled with the 8 virtual warps' sums added in order
+        (device.norm_scale) and the norm weight: bit-identical to the norm kernel's xn."""
+        if cutlass.const_expr(i == 0):
+            cute.arch.mbarrier_wait(s.mbn, 0)
+        col = (t.tid % 64) * NORM_VEC
+        stage = s.xs + (i % self.core.stages) * GROUP * self.core.xrow
+        for j in range(GROUP // 2):
+            row = 2 * j + t.tid // 64
+            tok = GROUP * i + row
+            if tok < a.m:
+                if a.has_residual != 0:
+                    self.stream_norm_row(a, t, s, q, stage, row, tok, col, True)
+                else:
+                    self.stream_norm_row(a, t, s, q, stage, row, tok, col, False)
+
+    @cute.jit
+    def stream_norm_row(self, a, t, s, q, stage, row, tok, col, res: cutlass.Constexpr):
+        nw = device.load_vec(a.norm_weight + (q * core.QUARTER + col), NORM_VEC)  # (an L1 hit after the first)
+        sn = cute.make_tensor(s.ssn, cute.make_layout(self.tile * CLUSTER))
+        sc = device.norm_scale([sn[tok * CLUSTER + v] for v in range(CLUSTER)], a.eps)
+        off = cute.assume(tok * core.K + q * core.QUARTER + col, divby=NORM_VEC)
+        r, _ = self.residual_chunk(a, t, off, res, False)
+        device.store_vec(stage + cute.assume(row * self.core.xrow + col, divby=NORM_VEC),
+                         device.norm_apply(r, sc, nw), NORM_VEC)  # fmt: skip
+
+    # ------------------------------------------------------------------------- the per-head epilogue (§2.3)
+    def norm_weights(self, a, t):
+        """The q/k norm weights of this thread's dim and of its rotation partner (model constants)."""
+        qw = cute.make_tensor(a.q_norm_weight, cute.make_layout(HEAD_DIM))
+        kw = cute.make_tensor(a.k_norm_weight, cute.make_layout(HEAD_DIM))
+        is_q, dim = t.head < self.nq, t.dim
+        wn = Float32(cutlass.select_(is_q, qw[dim].to(Float32), kw[dim].to(Float32)))
+        wp = Float32(cutlass.select_(is_q, qw[dim ^ HALF_DIM].to(Float32), kw[dim ^ HALF_DIM].to(Float32)))
+        return wn, wp
+
+    @cute.jit
+    def epilogue_inputs(self, a, t, i: cutlass.Constexpr):
+        """Per-token inputs of the epilogue of group i (this thread's token 8 i + tk): slot, RoPE coefficients,
+        issued after the wait so their latency hides under the MMAs."""
+        tok = GROUP * i + t.tk
+        slot = Int64(-1)
+        if tok < a.num_slot_mapping:
+            slot = cute.make_tensor(a.slot_mapping, cute.make_layout(self.tile))[tok]
+        if cutlass.const_expr(self.streamed):  # an int32 slot, -1 unless inside the cache (< 2**31 slots)
+            slot = Int32(cutlass.select_(slot >= 0 and slot < a.num_cache_slots, slot, Int64(-1)))
+        c = Float32(1.0)
+        sn = Float32(0.0)
+        ok = True
+        if cutlass.const_expr(self.rope):
+            p = cute.make_tensor(a.positions, cute.make_layout(self.tile))[cutlass.min(tok, a.m - 1)]
+            ok, c, sn = device.rope_coeffs(a.cos_sin_cache, p, a.max_pos, t.dim)
+        return slot, ok, c, sn
+
+    def cache_scale(self, a, t):
+        """The FP8 cache's scale of this head (k or v); 1 for a BF16 cache."""
+        if cutlass.const_expr(self.fp8):
+            return Float32(cutlass.select_(t.is_v, device.at(a.v_scale, 0)[0], device.at(a.k_scale, 0)[0]))
+        return Float32(1.0)
+
+    def geometry(self, a):
+        return a.num_cache_slots, a.block_size, a.stride_block, a.stride_slot, a.stride_head
+
+    @cute.jit
+    def epilogue_send(self, a, t, buf, hv, i: cutlass.Constexpr, scale, e):
+        """v head: this thread's value (row r, token 8 i + tk) to the paged cache. q/k head: the token's
+        partial sum of squares over this CTA's 16 dims (a 16-lane butterfly) to every CTA of the head (lane r
+        to rank r) and, with RoPE, the value to the rotation partner (rank ^ 4), by st.async on their mbarrier
+        of the group (buf: ssq, pv, mbar)."""
+        ssq, pv, mbar = buf
+        tok = GROUP * i + t.tk
+        if t.is_v:
+            if tok < a.m:
+                device.store_cache(a.v_cache, e[0], *self.geometry(a), t.head - (self.nq + self.nkv), t.dim,
+                                   hv.to(BFloat16), self.fp8, scale, self.streamed)  # fmt: skip
+        else:
+            part = hv * hv
+            for o in (1, 2, 4, 8):
+                part = part + cute.arch.shuffle_sync_bfly(part, o)
+            if t.r < CLUSTER:  # lane r sends the partial to rank r
+                cute.arch.store_async_dsmem(ssq + (t.rank * GROUP + t.tk), device.f32_bits(part), mbar, t.r)
+            if cutlass.const_expr(self.rope):
+                cute.arch.store_async_dsmem(pv + (t.r * GROUP + t.tk), device.f32_bits(hv), mbar,
+                                            t.rank ^ (CLUSTER // 2))  # fmt: skip
+
+    @cute.jit
+    def epilogue_finish(self, a, t, buf, hv, i: cutlass.Constexpr, scale, e, wn, wp):
+        """q/k head, once the group's mbarrier has every byte: the RMSNorm (fp32, the 8 ranks' sums in rank
+        order: the same in all 8 CTAs), NeoX RoPE and one bf16 rounding of its own dim, stored as q or into
+        the k cache (an FP8 cache: e4m3(value / scale) of the same bf16 value)."""
+        if not t.is_v:
+            ssq, pv, mbar = buf
+            slot, ok, c, sn = e
+            cute.arch.mbarrier_wait(mbar, 0)
+            st = cute.make_tensor(ssq, cute.make_layout(CLUSTER * GROUP))
+            tot = st[t.tk]
+            for j in range(1, CLUSTER):  # rank order
+                tot = tot + st[j * GROUP + t.tk]
+            inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+            y = hv * inv * wn
+            if cutlass.const_expr(self.rope):
+                yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[t.r * GROUP + t.tk] * inv * wp
+                y = device.rotate(y, yp, ok, c, sn, t.dim)
+            yb = y.to(BFloat16)
+            tok = GROUP * i + t.tk
+            if tok < a.m:
+                if t.head < self.nq:
+                    device.put(a.q, tok * (self.nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yb)
+                else:
+                    device.store_cache(a.k_cache, slot, *self.geometry(a), t.head - self.nq, t.dim, yb, self.fp8,
+                                       scale, self.streamed)  # fmt: skip
 
     def ptr_types(self) -> dict:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
