@@ -7,7 +7,7 @@ GOOD = {
     "archs": ["sm_90a", "sm_100a"],
     "norm": {"residual": [True, False]},
     "qkv": {"weight_format": ["bf16", "nvfp4"], "rope": [True, False], "heads": [[32, 4], [16, 8]],
-            "kv_cache_dtype": ["bf16"], "norm": ["separate"], "max_m": [8, 16]},
+            "kv_cache_dtype": ["bf16"], "norm": ["separate"], "max_m": [8, 16, 32, 64]},
 }  # fmt: skip
 
 
@@ -24,14 +24,15 @@ def _err(raw, *needles):
 def test_default_config_loads_and_expands():
     cfg = load_config("configs/flint.yaml")
     specs = expand(cfg)
-    # per arch: norm 2 + qkv (formats 2 x rope 2 x heads 4 x kv dtypes 2 x norm modes 2 x token tiles 2)
-    # + gemv (formats 2 x token tiles 2) + unfused 4
-    assert len(specs) == 2 * (2 + 2 * 2 * 4 * 2 * 2 * 2 + 2 * 2 + 2 * 2)
+    # per arch: norm 2 + qkv (formats 2 x rope 2 x heads 4 x kv dtypes 2 x norm modes 2 x token tiles 4)
+    # + gemv (formats 2 x token tiles 4) + unfused 4
+    assert len(specs) == 2 * (2 + 2 * 2 * 4 * 2 * 2 * 4 + 2 * 4 + 2 * 2)
     names = {s.label for s in specs}
     assert len(names) == len(specs)
     assert "norm_res1@sm_90a" in names and "qkv_nvfp4_rope0_h8x1@sm_100a" in names
     assert "gemv_nvfp4@sm_90a" in names and "qk_norm_rope_cache_rope0@sm_100a" in names
     assert "qkv_bf16_rope1_h32x4_kvfp8_prologue_m16@sm_90a" in names and "gemv_bf16_m16@sm_100a" in names
+    assert "qkv_nvfp4_rope1_h16x2_m64@sm_90a" in names and "gemv_nvfp4_m32@sm_100a" in names
 
 
 def test_expansion_of_small_matrix():
@@ -44,8 +45,8 @@ def test_expansion_of_small_matrix():
             }
         )
     )
-    names = ["norm_res1", "norm_res0", "qkv_bf16_rope1_h16x2", "qkv_bf16_rope1_h16x2_m16",
-             "qkv_bf16_rope0_h16x2", "qkv_bf16_rope0_h16x2_m16"]
+    names = ["norm_res1", "norm_res0", *(f"qkv_bf16_rope{r}_h16x2{t}" for r in (1, 0)
+                                         for t in ("", "_m16", "_m32", "_m64"))]  # fmt: skip
     assert [s.name for s in specs] == names
     assert specs[2].spec == {"weight_format": "bf16", "rope": True, "heads": [16, 2],
                              "kv_cache_dtype": "bf16", "norm": "separate", "max_m": 8}  # fmt: skip
@@ -106,10 +107,11 @@ def test_valid_config_roundtrip():
         (lambda c: c["qkv"].update(heads=[[8, True]]), ["qkv.heads[0][1]"]),
         (lambda c: c["qkv"].update(heads=[[8, 2.0]]), ["qkv.heads[0][1]"]),
         (lambda c: c["qkv"].pop("rope"), ["qkv.rope", "missing"]),
-        (lambda c: c["qkv"].update(max_m=[8]), ["qkv.max_m", "holding 16", "M up to 16"]),
-        (lambda c: c["qkv"].update(max_m=[8, 12, 16]), ["qkv.max_m[1]", "8 | 16"]),
-        (lambda c: c["qkv"].update(max_m=[16, True]), ["qkv.max_m[1]", "8 | 16"]),
-        (lambda c: c.update(gemv={"weight_format": ["bf16"], "max_m": [8]}), ["gemv.max_m", "holding 16"]),
+        (lambda c: c["qkv"].update(max_m=[8, 32]), ["qkv.max_m", "holding 64", "M up to 64"]),
+        (lambda c: c["qkv"].update(max_m=[8, 12, 64]), ["qkv.max_m[1]", "8 | 16 | 32 | 64"]),
+        (lambda c: c["qkv"].update(max_m=[64, True]), ["qkv.max_m[1]", "8 | 16 | 32 | 64"]),
+        (lambda c: c.update(gemv={"weight_format": ["bf16"], "max_m": [8]}), ["gemv.max_m", "holding 64"]),
+        (lambda c: c["qkv"].update(debug_stream=False), ["qkv.debug_stream", "true"]),
         (lambda c: c.pop("archs"), ["archs", "missing"]),
         (lambda c: (c.pop("norm"), c.pop("qkv")), ["no kernels"]),
     ],

@@ -105,7 +105,8 @@ def _default_bundle_entries():
         k = kernel_class(s.kind)(s.spec)
         params = kernel_params(k.kernel, k.ptr_types())
         out.append(KernelEntry(s.kind, s.name, s.spec, s.arch, f"{s.name}.cubin", 1, "0" * 64, s.name,
-                               k.block, k.cluster, 0, GRID[s.kind], tuple(Param(*p) for p in params), "k",
+                               k.block, k.cluster, 0, k.grid or GRID[s.kind],
+                               tuple(Param(*p) for p in params), "k",
                                dyn_smem_per_m=k.dyn_smem_per_m))  # fmt: skip
     return out
 
@@ -192,7 +193,7 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
             s = e.spec
             if e.kind == "qkv":
                 nq, nkv = s["heads"]
-                m = 3 if s["max_m"] == 8 else 12
+                m = {8: 3, 16: 12, 32: 20, 64: 50}[s["max_m"]]  # an M this tile serves
                 c = _qkv_inputs(m, nq, nkv, s["weight_format"], s["rope"], s["kv_cache_dtype"])
                 for design in (None, s["norm"]):  # the loader's choice, then this entry's design asked for
                     dry.launched.clear()
@@ -211,7 +212,7 @@ def test_ops_fill_exactly_the_manifest_parameters(monkeypatch):
                     loader.rms_norm(x, w, 1e-6)
                 assert [x.name for x, _, _ in dry.launched] == [e.name]
             elif e.kind == "gemv":
-                m = 2 if s["max_m"] == 8 else 12
+                m = {8: 2, 16: 12, 32: 30, 64: 64}[s["max_m"]]
                 c = _qkv_inputs(m, 8, 1, s["weight_format"], True, "bf16")
                 y = loader.gemv(c["x"], c["weight"], c["weight_scale"], c["global_scale"])
                 assert [x.name for x, _, _ in dry.launched] == [e.name] and y.shape == (m, 1280)

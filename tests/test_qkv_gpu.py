@@ -22,6 +22,8 @@ from tests.helpers import (
 pytestmark = pytest.mark.gpu
 KV = ["bf16", "fp8_e4m3"]
 DESIGNS = ["separate", "prologue"]  # the input norm in its own kernel, or in the qkv kernel's prologue
+# every M of the 8- and 16-token tiles, then both sides of each larger tile's edges and a few inside
+MS = [*range(1, 18), 24, 31, 32, 33, 40, 48, 57, 63, 64]
 
 
 def _has_design(bundle, design) -> bool:
@@ -31,7 +33,7 @@ def _has_design(bundle, design) -> bool:
 @pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", range(1, 17))
+@pytest.mark.parametrize("m", MS)
 def test_every_variant(gpu_bundle, m, fmt, kv, design):
     import loader
 
@@ -56,13 +58,14 @@ def test_every_variant(gpu_bundle, m, fmt, kv, design):
 def test_designs_bit_identical(gpu_bundle, fmt, kv):
     """The prologue design computes the input norm with the norm kernel's roundings and summation order, and
     then runs the same GEMV and epilogue: q, residual_out and every cache byte (written or not) must equal
-    the two-kernel design's, for every variant, M = 1, 4, 8, 12, 16, with and without a residual."""
+    the two-kernel design's, for every variant, M = 1, 4, 8, 12, 16, 17, 33, 64, with and without a
+    residual."""
     import loader
 
     if not all(_has_design(gpu_bundle, d) for d in DESIGNS):
         pytest.skip("the bundle lacks one of the two designs")
     for i, (rope, (nq, nkv)) in enumerate(variants(gpu_bundle, fmt, kv)):
-        for m in (1, 4, 8, 12, 16):
+        for m in (1, 4, 8, 12, 16, 17, 33, 64):
             for residual in (True, False):
                 c = make_case(
                     m, nq, nkv, rope, seed=3000 + 10 * m + i, residual=residual, fmt=fmt, kv_dtype=kv
@@ -81,17 +84,19 @@ def test_designs_bit_identical(gpu_bundle, fmt, kv):
                     assert torch.equal(a, b), (what, fmt, kv, rope, nq, nkv, m, residual)
 
 
-@pytest.mark.parametrize("m", [8, 16])
+@pytest.mark.parametrize("m", [8, 16, 64])
 @pytest.mark.parametrize("kv", KV)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("split_kv", [False, True])
 def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv, fmt, kv, m):
     nq, nkv = pick_heads(gpu_bundle, fmt, kv)
-    nb = 64 // block_size + 2
+    nb = 160 // block_size + 2
     slots = [5, -1, nb * block_size - 1, 0, -7, 17]  # shorter than M, negatives
     if m > 8:
         slots += [33, -2, 40, 41, 9, 2, -5]  # 13 slots for 16 tokens
+    if m > 16:  # 45 more for 64 tokens: a gap, a run, the last slots, negatives
+        slots += [*range(60, 80), *range(100, 110), nb * block_size - 2, -3, 11, *range(140, 152), -9]
     slots = torch.tensor(slots, device="cuda")
     c = make_case(
         m, nq, nkv, True, seed=block_size, num_blocks=nb, block_size=block_size, split_kv=split_kv,
@@ -106,29 +111,32 @@ def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv, fmt, k
 @pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_token_tiles_agree(gpu_bundle, fmt, design):
-    """The 16-token kernel (M = 9..16) gives each token the bits the 8-token kernel gives it: a call of M
-    tokens equals, q row by row and every cache byte, calls on its first 8 tokens and on the rest."""
+    """Every tile gives each token the bits the 8-token kernel gives it (docs/numerics.md §2): a call of M
+    tokens on either side of each tile edge (8/9, 16/17, 32/33, 64) equals, q row by row and every cache
+    byte, calls of 8 tokens at a time on the same inputs."""
     import loader
 
     if not _has_design(gpu_bundle, design):
         pytest.skip(f"the bundle has no {design}-design qkv kernels")
-    for i, (rope, (nq, nkv)) in enumerate(variants(gpu_bundle, fmt)):
-        m = (10, 13, 16)[i % 3]
-        c = make_case(m, nq, nkv, rope, seed=6100 + i, residual=(i % 2 == 0), fmt=fmt)
-        parts = dict(c, k_cache=c["k_cache"].clone(), v_cache=c["v_cache"].clone())
-        with loader.launch_options(design=design):
-            q, r = run(c)
-            halves = []
-            for a, b in ((0, 8), (8, m)):
-                h = dict(parts, **{k: None if c[k] is None else c[k][a:b].contiguous()
-                                   for k in ("x", "residual", "positions", "slot_mapping")})  # fmt: skip
-                halves.append(run(h))
-        torch.cuda.synchronize()
-        bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
-        assert torch.equal(bits(q), bits(torch.cat([h[0] for h in halves])))
-        assert torch.equal(bits(r), bits(torch.cat([h[1] for h in halves])))
-        for name in ("k_cache", "v_cache"):
-            assert torch.equal(bits(c[name]), bits(parts[name])), (name, rope, nq, nkv, m)
+    vs = variants(gpu_bundle, fmt)
+    for i, (rope, (nq, nkv)) in enumerate(vs):
+        for m in (9, 16, 17, 32, 33, 64)[i % 2 :: 2] if len(vs) > 1 else (9, 16, 17, 32, 33, 64):
+            c = make_case(m, nq, nkv, rope, seed=6100 + 100 * i + m, residual=(i % 2 == 0), fmt=fmt)
+            parts = dict(c, k_cache=c["k_cache"].clone(), v_cache=c["v_cache"].clone())
+            with loader.launch_options(design=design):
+                q, r = run(c)
+                pieces = []
+                for a in range(0, m, 8):
+                    b = min(a + 8, m)
+                    h = dict(parts, **{k: None if c[k] is None else c[k][a:b].contiguous()
+                                       for k in ("x", "residual", "positions", "slot_mapping")})  # fmt: skip
+                    pieces.append(run(h))
+            torch.cuda.synchronize()
+            bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
+            assert torch.equal(bits(q), bits(torch.cat([h[0] for h in pieces]))), (rope, nq, nkv, m)
+            assert torch.equal(bits(r), bits(torch.cat([h[1] for h in pieces]))), (rope, nq, nkv, m)
+            for name in ("k_cache", "v_cache"):
+                assert torch.equal(bits(c[name]), bits(parts[name])), (name, rope, nq, nkv, m)
 
 
 @pytest.mark.parametrize("kv", KV)

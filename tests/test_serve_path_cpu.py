@@ -154,21 +154,21 @@ def test_plans_are_kept_per_m_and_reused(monkeypatch):
 
 @needs_dsl
 def test_kernel_parameters_are_bound_by_name(monkeypatch):
-    """The values a kernel receives, parameter by parameter, in both designs and both token tiles: tensors'
+    """The values a kernel receives, parameter by parameter, in both designs and every token tile: tensors'
     pointers under their own names, the norm kernel's xn as the two-kernel qkv kernel's x, the shapes'
-    integers, placeholders (0) for what a specialization does not read, the grid from the manifest's rule,
-    and (tile 16) M rows of x in dynamic shared memory."""
+    integers, placeholders (0) for what a specialization does not read, the grid from the manifest's rule
+    (one CTA per 16 rows; no dynamic shared memory: the token stream's does not depend on M)."""
     import loader
 
     dry = _DryRun(monkeypatch, _default_bundle_entries())
-    for m, design in ((3, "prologue"), (3, "separate"), (12, "prologue"), (12, "separate")):
+    for m, design in [(m, d) for m in (3, 12, 17, 40, 64) for d in ("prologue", "separate")]:
         c = _qkv_inputs(m, 32, 4, "bf16", True, "bf16")
         dry.launched.clear()
         with loader.launch_options(design=design):
             q, r = loader.flint_qkv_fused(**c)
         *norm, (entry, a, grid) = dry.launched
-        assert entry.kind == "qkv" and entry.spec["max_m"] == (8 if m <= 8 else 16)
-        assert grid == (40 * 8, 1, 1, 0 if m <= 8 else m * (2048 + 32) * 2)
+        assert entry.kind == "qkv" and entry.spec["max_m"] == next(t for t in (8, 16, 32, 64) if m <= t)
+        assert grid == (40 * 8, 1, 1, 0)
         for name in ("weight", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions", "slot_mapping",
                      "k_cache", "v_cache"):  # fmt: skip
             assert a[name] == c[name].data_ptr(), name

@@ -29,7 +29,7 @@ def test_gemv_against_reference(gpu_bundle, fmt, n):
     import loader
 
     g = torch.Generator(device="cuda").manual_seed(n)
-    for m in (1, 3, 8, 9, 16):
+    for m in (1, 3, 8, 9, 16, 17, 40, 64):
         x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
         w = (torch.randn(n, K, device="cuda", generator=g) * 0.03).bfloat16()
         if fmt == "bf16":
@@ -51,20 +51,21 @@ def test_gemv_against_reference(gpu_bundle, fmt, n):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_gemv_tiles_agree(gpu_bundle, fmt):
-    """A token's sum does not depend on the token tile (docs/numerics.md §2): the rows of a call of M = 9..16
-    (the 16-token kernel) equal, bit for bit, the same rows computed in calls of M <= 8 (the 8-token
-    kernel)."""
+    """A token's sum does not depend on the token tile (docs/numerics.md §2): the rows of a call of M = 9..64
+    (the 16-, 32- and 64-token kernels: the token stream) equal, bit for bit, the same rows computed in calls
+    of M <= 8 (the 8-token kernel); also for N not a multiple of 64 (the stream's last quad part-empty)."""
     import loader
 
     g = torch.Generator(device="cuda").manual_seed(77)
-    w = (torch.randn(5120, K, device="cuda", generator=g) * 0.03).bfloat16()
-    args = (w,) if fmt == "bf16" else nvfp4.quantize(w)
-    for m in (9, 12, 16):
-        x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
-        big = loader.gemv(x, *args)
-        small = torch.cat([loader.gemv(x[i : i + 8], *args) for i in range(0, m, 8)])
-        torch.cuda.synchronize()
-        assert torch.equal(big.view(torch.int16), small.view(torch.int16)), f"M={m}"
+    for n in (5120, 5120 + 16, 48):
+        w = (torch.randn(n, K, device="cuda", generator=g) * 0.03).bfloat16()
+        args = (w,) if fmt == "bf16" else nvfp4.quantize(w)
+        for m in (9, 12, 16, 17, 32, 33, 64):
+            x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
+            big = loader.gemv(x, *args)
+            small = torch.cat([loader.gemv(x[i : i + 8], *args) for i in range(0, m, 8)])
+            torch.cuda.synchronize()
+            assert torch.equal(big.view(torch.int16), small.view(torch.int16)), f"N={n} M={m}"
 
 
 def test_gemv_bad_inputs(gpu_bundle):
@@ -81,8 +82,8 @@ def test_gemv_bad_inputs(gpu_bundle):
         loader.gemv(x, packed, scales[:48], gs)  # rows must be padded to 128
     with pytest.raises(ValueError, match=r"weight_scale|global_scale"):
         loader.gemv(x, packed)
-    with pytest.raises(ValueError, match=r"\b9\b|\bM\b"):
-        loader.gemv(torch.randn(17, K, device="cuda").bfloat16(), w[:32])
+    with pytest.raises(ValueError, match=r"\bM\b.*64"):
+        loader.gemv(torch.randn(65, K, device="cuda").bfloat16(), w[:32])
     y = loader.gemv(x, packed, scales, gs)  # the context is still healthy
     torch.cuda.synchronize()
     assert rel(y, gemv_ref(x, nvfp4.dequantize(packed, scales, gs))) < 1e-2
@@ -93,8 +94,9 @@ def test_qk_norm_rope_cache_against_reference(gpu_bundle, kv):
     import loader
 
     for rope in (True, False):
-        for m, (nq, nkv) in ((1, (32, 4)), (8, (16, 2)), (5, (8, 1))):
-            c = make_case(m, nq, nkv, rope, seed=50 + m, kv_dtype=kv, cache_u8=(m == 5))
+        cases = ((1, (32, 4)), (8, (16, 2)), (5, (8, 1)), (17, (16, 8)), (64, (32, 4)), (47, (8, 1)))
+        for m, (nq, nkv) in cases:
+            c = make_case(m, nq, nkv, rope, seed=50 + m, kv_dtype=kv, cache_u8=(m == 5), num_blocks=8)
             qkv = (torch.randn(m, (nq + 2 * nkv) * D, device="cuda") * 3).bfloat16()
             kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
             q = loader.qk_norm_rope_cache(**qk_args(c, qkv))
