@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loader import runtime
+from loader import plans, runtime
 from loader.manifest import KernelEntry, Manifest, Param
 
 
@@ -151,3 +151,22 @@ def test_a_manifest_entry_naming_a_loaded_cubin_with_other_claims_is_verified(dr
     runtime.load_bundle(b)
     _serve_one()
     assert driver.verified == ["norm_res1.sm_90a.cubin"] * 2 and runtime.module_loads() == 2
+
+
+@pytest.mark.skipif(not plans.GUARDS, reason="this torch's TensorGuards do not work: plans are not kept")
+def test_a_plan_built_across_a_reload_is_not_kept(driver, tmp_path):
+    """A load_bundle (from another thread) while a call builds its plan: the plan serves that call only, the
+    next call builds one from the new bundle; a plan built with no reload in between is kept."""
+    a = _write_bundle(tmp_path / "a", {True: b"\x7fELF c" * 40})
+    runtime.load_bundle(a)
+    x = torch.ones(2, 4)
+
+    def build(names, renames, reload):
+        if reload:
+            runtime.load_bundle(a)
+        return plans.Plan(0, ())
+
+    plans.new(("k", 0), ("x",), (x,), build, False)
+    assert ("k", 0) in runtime.thread_cache()
+    plans.new(("k", 1), ("x",), (x,), build, True)
+    assert ("k", 1) not in runtime.thread_cache(), "a plan built before a reload serves the calls after it"
