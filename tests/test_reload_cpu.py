@@ -170,3 +170,17 @@ def test_a_plan_built_across_a_reload_is_not_kept(driver, tmp_path):
     assert ("k", 0) in runtime.thread_cache()
     plans.new(("k", 1), ("x",), (x,), build, True)
     assert ("k", 1) not in runtime.thread_cache(), "a plan built before a reload serves the calls after it"
+
+
+def test_a_child_that_crashes_fails_with_its_output():
+    """tests.helpers.run_child, which the GPU reload tests run their work in: a child killed by a signal, or
+    one that exits 0 without 'child ok', is an AssertionError naming the signal and showing the output."""
+    from tests.helpers import run_child
+
+    assert "child ok" in run_child("-c", "print('child ok')")
+    with pytest.raises(AssertionError, match=r"(?s)killed by signal 11 .*serving\n"):
+        run_child(
+            "-c", "import os, signal; print('serving', flush=True); os.kill(os.getpid(), signal.SIGSEGV)"
+        )
+    with pytest.raises(AssertionError, match="exit 0"):
+        run_child("-c", "print('done')")
