@@ -112,12 +112,13 @@ def new(key: tuple, names: tuple, args: tuple, build, *extra):
     global builds
     keep, same, renames = distinct(names, args)
     take = operator.itemgetter(*keep) if len(keep) > 1 else (lambda a, i=keep[0]: (a[i],))
+    cache = runtime.thread_cache()  # (before build: a plan built across a load_bundle is not kept for later)
     p, ts = build(take(names), renames, *extra), take(args)
     builds += 1
     p.take, p.same = take, same
     if GUARDS:
         p.guard = _guard(ts)
-        plans = runtime.thread_cache().setdefault(key, [])
+        plans = cache.setdefault(key, [])
         plans.insert(0, p)
         del plans[PER_KEY:]
     return p, ts

@@ -1,9 +1,10 @@
 """CUDA driver side of the loader (docs/bundle.md §5, docs/api.md §10), torch and cuda-bindings only: where
-the bundle is, cubins loaded once per device (lazily, under a lock, into torch's primary context), and a
-`Launcher` per (thread, device, kind, spec): function, launch configs with their cluster and PDL attributes,
-a parameter buffer laid out from the manifest. `Launcher.bind` matches a plan's values to the parameters by
-name once; a call fills the buffer with one struct.pack_into and calls cuLaunchKernelEx on torch's current
-stream (capturable in CUDA graphs). Launch settings are scoped (`launch_options`), never process-wide."""
+the bundle is, cubins loaded once per device and content (lazily, under a lock, into torch's primary context;
+never unloaded), and a `Launcher` per (thread, device, kind, spec): function, launch configs with their
+cluster and PDL attributes, a parameter buffer laid out from the manifest. `Launcher.bind` matches a plan's
+values to the parameters by name once; a call fills the buffer with one struct.pack_into and calls
+cuLaunchKernelEx on torch's current stream (capturable in CUDA graphs). Launch settings are scoped
+(`launch_options`), never process-wide."""
 
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ def launch_options(*, pdl: bool | None = None, bounds_check: bool | None = None,
 # ----------------------------------------------------------------------------- bundle
 _lock = threading.RLock()
 _bundle: Bundle | None = None
-_generation = 0  # bumped by load_bundle: every thread's launchers of older generations are dropped
-_modules: dict[tuple[int, str, str], tuple] = {}  # (device, arch, name) -> (module, function, context)
+_generation = 0  # bumped by load_bundle: every thread's launchers and plans of older generations are dropped
+_modules: dict[tuple, tuple] = {}  # _load_module's key -> (module, function, context); never unloaded
 _module_loads = 0
 _tls = threading.local()
 
@@ -99,8 +100,9 @@ _tls = threading.local()
 def load_bundle(path: str | os.PathLike | None = None) -> Bundle:
     """Serve from the bundle at `path` (else $FLINT_AOT_BUNDLE, else the bundle packed with the loader, else
     build/flint of the checkout) from now on. Reads and checks its manifest at once; cubins are loaded lazily,
-    per device. The previous bundle's modules are unloaded (after the devices finish their work): CUDA graphs
-    captured with them must not be replayed afterwards."""
+    per device. Calls that start after it returns, in any thread, run the new bundle's kernels; a call in
+    flight and CUDA graphs captured before keep the kernels they launch: no module is ever unloaded, and a
+    cubin already loaded (same content, from any bundle or path) is not read again (docs/api.md §10)."""
     global _bundle, _generation
     if path is None:
         path = os.environ.get("FLINT_AOT_BUNDLE") or packaged_bundle() or _DEFAULT_BUNDLE
@@ -110,13 +112,6 @@ def load_bundle(path: str | os.PathLike | None = None) -> Bundle:
         warnings.warn(f"bundle {b.path} holds debug kernels ({', '.join(debug)}): never serve with it",
                       stacklevel=2)  # fmt: skip
     with _lock:
-        for dev in sorted({key[0] for key in _modules}):
-            torch.cuda.synchronize(dev)
-        for module, _, ctx in _modules.values():
-            cu.cuCtxPushCurrent(ctx)
-            cu.cuModuleUnload(module)
-            cu.cuCtxPopCurrent()
-        _modules.clear()
         _bundle = b
         _generation += 1
     return b
@@ -175,9 +170,13 @@ def check_params(entry: KernelEntry, supplied) -> None:
 
 
 def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
-    """(module, function, context) of entry on device dev, loaded once per process (caller holds _lock)."""
+    """(module, function, context) of entry on device dev (caller holds _lock), loaded once per process for
+    each cubin content (sha256) with the manifest fields verified against it or applied to its function,
+    whatever bundle or path names it, and never unloaded: another thread's launcher or plan, or a captured
+    CUDA graph, may launch it after any load_bundle."""
     global _module_loads
-    key = (dev, entry.arch, entry.name)
+    key = (dev, entry.sha256, entry.size, entry.arch, entry.entry, entry.params, entry.block, entry.cluster,
+           entry.smem(MAX_M))  # fmt: skip
     if key in _modules:
         return _modules[key]
     image = bundle.read(entry)  # sha256 and ELF checked against the manifest

@@ -1,6 +1,7 @@
 """What the GPU test modules and tools/ncu_case.py, tools/sanitize_case.py share: random cases for the fused
 op (BF16 or NVFP4 weights, BF16 or FP8 KV caches), the check of a result against the float64 reference
-(loader.reference), and tensors carved out of poisoned guard buffers.
+(loader.reference), tensors carved out of poisoned guard buffers, and a runner of child processes (run_child)
+for tests whose failure could crash the process.
 
 Imports on a machine without CUDA: torch and the loader's pure-torch modules only (loader.abi, loader.nvfp4,
 loader.reference); `loader` itself, which needs the CUDA driver bindings, is imported where an op is called.
@@ -8,6 +9,12 @@ The cases themselves are made on a CUDA device (make_case's `device`), the guard
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -52,6 +59,25 @@ def pick_heads(bundle, fmt="bf16", kv="bf16", rope=True, prefer=((16, 2), (32, 4
     have = [heads for r, heads in variants(bundle, fmt, kv) if r == rope]
     assert have, f"the bundle has no {fmt} qkv kernel with a {kv} KV cache and rope={rope}: rebuild it"
     return next((p for p in prefer if p in have), have[0])
+
+
+def run_child(*args: str, timeout: float = 600) -> str:
+    """`python3 *args` in a fresh process from the repository root (PYTHONPATH: the root first): a crash there
+    (a signal, a sticky CUDA error) fails the calling test with the child's output, not the whole run. The
+    child must exit 0 having printed 'child ok'; returns its stdout."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    try:
+        r = subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        out = "".join(t if isinstance(t, str) else t.decode(errors="replace") for t in (e.stdout, e.stderr)
+                      if t)  # fmt: skip
+        raise AssertionError(f"child still running after {timeout} s:\n{out[-8000:]}") from None
+    how = f"killed by signal {-r.returncode} ({signal.strsignal(-r.returncode)})" if r.returncode < 0 else (
+        f"exit {r.returncode}")  # fmt: skip
+    assert r.returncode == 0 and "child ok" in r.stdout, f"child {how}:\n{(r.stdout + r.stderr)[-8000:]}"
+    return r.stdout
 
 
 # ----------------------------------------------------------------------------- comparisons

@@ -1,15 +1,19 @@
 """Concurrency and devices: many threads making their first call at once load each cubin once and
 all get right results; tensors on cuda:1 run on device 1; a rejected call or a failed load leaves the
-context usable."""
+context usable. The first-call and failed-load tests run in a fresh process each (tests.helpers.run_child):
+loaded modules stay loaded for the life of a process (docs/api.md §10), so only a fresh one makes first
+calls and loads a damaged cubin."""
 
 import json
 import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import check, device_arch, kv_of, make_case, op_args
+from tests.helpers import check, device_arch, kv_of, make_case, op_args, run_child
 
 pytestmark = pytest.mark.gpu
 
@@ -30,11 +34,23 @@ def _cubins(bundle, fmt, rope, heads, residual) -> set:
     return {sep[0].file, norm.file}
 
 
+def _in_child(func: str, bundle) -> None:
+    """tests.test_concurrency_gpu.<func>(bundle path) in a fresh process."""
+    code = (
+        f"import sys; from tests.test_concurrency_gpu import {func}; {func}(sys.argv[1]); print('child ok')"
+    )
+    run_child("-c", code, str(bundle.path))
+
+
 def test_many_threads_first_call(gpu_bundle):
+    _in_child("many_threads_first_call", gpu_bundle)
+
+
+def many_threads_first_call(bundle_path: str):
     import loader
     from loader import runtime
 
-    loader.load_bundle(gpu_bundle.path)  # drops the loaded modules: the next calls are first calls
+    bundle = loader.load_bundle(bundle_path)  # a fresh process: the calls below are first calls
     before = runtime.module_loads()
     cases = [make_case(1 + i % 8, 16, 8, i % 2 == 0, seed=600 + i, residual=i % 3 != 0,
                        fmt=("bf16", "nvfp4")[i % 4 // 2]) for i in range(16)]  # fmt: skip
@@ -62,7 +78,7 @@ def test_many_threads_first_call(gpu_bundle):
     # loaded once
     want = set()
     for i in range(len(cases)):
-        want |= _cubins(gpu_bundle, ("bf16", "nvfp4")[i % 4 // 2], i % 2 == 0, (16, 8), i % 3 != 0)
+        want |= _cubins(bundle, ("bf16", "nvfp4")[i % 4 // 2], i % 2 == 0, (16, 8), i % 3 != 0)
     assert runtime.module_loads() - before == len(want), sorted(want)
     for c, (kb, vb), (q, r) in zip(cases, snap, out, strict=True):
         check(c, q, r, kb, vb)
@@ -114,15 +130,23 @@ def test_calls_keep_the_current_device(gpu_bundle):
     assert torch.cuda.current_device() == 0
 
 
-def test_failed_load_leaves_context_usable(gpu_bundle, tmp_path):
+def test_failed_load_leaves_context_usable(gpu_bundle):
+    _in_child("failed_load_leaves_context_usable", gpu_bundle)
+
+
+def failed_load_leaves_context_usable(bundle_path: str):
+    """A cubin that fails its check when it is first loaded (a fresh process: none is loaded yet): the call
+    raises BundleError before any launch, other kernels of that bundle still serve, and so does the sound
+    bundle afterwards."""
     import loader
     from loader.bundle import BundleError
 
-    bad = tmp_path / "bad"
-    shutil.copytree(gpu_bundle.path, bad)
+    good = loader.load_bundle(bundle_path)
+    bad = Path(tempfile.mkdtemp(prefix="flint-bad-")) / "bad"
+    shutil.copytree(bundle_path, bad)
     m = json.loads((bad / "manifest.json").read_text())
     qkv_files = {e["file"] for e in m["kernels"] if e["kind"] == "qkv"}
-    victim = next(f for f in _cubins(gpu_bundle, "bf16", True, (16, 2), True) if f in qkv_files)
+    victim = next(f for f in _cubins(good, "bf16", True, (16, 2), True) if f in qkv_files)
     p = bad / victim
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: the sha256 check refuses it before the driver sees it
@@ -139,7 +163,8 @@ def test_failed_load_leaves_context_usable(gpu_bundle, tmp_path):
         torch.cuda.synchronize()
         check(c, q, r, kb, vb)
     finally:
-        loader.load_bundle(gpu_bundle.path)
+        loader.load_bundle(bundle_path)
+        shutil.rmtree(bad.parent)
     c = make_case(2, 16, 2, True, seed=72)
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     q, r = loader.flint_qkv_fused(**op_args(c))
