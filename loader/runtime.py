@@ -175,8 +175,9 @@ def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
     whatever bundle or path names it, and never unloaded: another thread's launcher or plan, or a captured
     CUDA graph, may launch it after any load_bundle."""
     global _module_loads
+    most = entry.smem(entry.spec.get("max_m", MAX_M))  # dynamic shared memory at the kernel's largest M
     key = (dev, entry.sha256, entry.size, entry.arch, entry.entry, entry.params, entry.block, entry.cluster,
-           entry.smem(MAX_M))  # fmt: skip
+           most)  # fmt: skip
     if key in _modules:
         return _modules[key]
     image = bundle.read(entry)  # sha256 and ELF checked against the manifest
@@ -191,7 +192,6 @@ def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
             if entry.cluster != (1, 1, 1):
                 a = attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
                 _check(cu.cuFuncSetAttribute(fn, a, 1), "cuFuncSetAttribute(non-portable cluster)")
-            most = entry.smem(entry.spec.get("max_m", MAX_M))  # (at the kernel's largest M)
             if most > 0:  # (the carveout is the driver's choice, per launch)
                 a = attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 _check(cu.cuFuncSetAttribute(fn, a, most), "cuFuncSetAttribute(dynamic smem)")
