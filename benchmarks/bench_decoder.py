@@ -3,7 +3,7 @@ layers of distinct BF16 weights (about 100 MB per layer: L2 defeated), M sequenc
 over a paged BF16 KV cache of CTX cached tokens, the whole step in one CUDA graph per variant, ms per step
 (median of graph replays; BENCHMARKS.md "The op inside a decoder step").
 
-    PYTHONPATH=. python3 benchmarks/bench_decoder.py [--m 1 4 8 16] [--ctx 512] [--out FILE.md]
+    PYTHONPATH=. python3 benchmarks/bench_decoder.py [--m 1 4 8 16 32 64] [--ctx 512] [--out FILE.md]
 
 The variants differ only in the attention input (residual add + input RMSNorm, qkv projection, q/k RMSNorm,
 NeoX RoPE, the k/v write into the cache); the rest of each layer is the same torch code in all of them:
@@ -32,9 +32,11 @@ import torch.nn.functional as F
 from bench_qkv import copy_bandwidth, median_graph_us  # (benchmarks/ is the script's directory)
 
 import loader
+from loader.abi import MAX_M
 from loader.reference import make_cos_sin_cache
 
 H, NQ, NKV, D, INTER, LAYERS, BLOCK = 2048, 16, 8, 128, 6144, 28, 16
+M_MAX = 64  # sequences this script sizes for (K/V caches of M x CTX tokens a layer: 3.5 GiB at 64 x 512)
 EPS = 1e-6
 
 
@@ -147,7 +149,7 @@ def variants(compiled):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--m", nargs="*", type=int, default=[1, 4, 8, 16])
+    ap.add_argument("--m", nargs="*", type=int, default=[1, 4, 8, 16, 32, 64], help=f"sequences, 1..{M_MAX}")
     ap.add_argument("--ctx", type=int, default=512, help="cached tokens per sequence (a multiple of 16)")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--device", default="cuda")
@@ -155,10 +157,18 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cuda = a.device == "cuda"
+    if not a.m or not all(1 <= m <= M_MAX for m in a.m):
+        ap.error(f"--m takes 1..{M_MAX} sequences, got {a.m}")
+    if cuda and max(a.m) > MAX_M:  # (fail before minutes of torch variants, not at the first flint call)
+        ap.error(f"--m {max(a.m)}: the loader serves at most loader.abi.MAX_M = {MAX_M} tokens per call")
+    if a.ctx < BLOCK or a.ctx % BLOCK or a.ctx > 4096:
+        ap.error(f"--ctx must be a multiple of {BLOCK} in {BLOCK}..4096 (the RoPE table), got {a.ctx}")
     if cuda:
         loader.load_bundle(a.bundle)
         print(f"device copy bandwidth: {copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
     compiled = torch.compile(torch_attn_input, fullgraph=True, dynamic=False)
+    # static shapes: one compile per M, and fullgraph raises past the recompile limit (8 by default)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(a.m))
     table = {}
     for m in a.m:
         md = Model(m, a.ctx, a.layers, a.device)

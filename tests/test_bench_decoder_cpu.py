@@ -25,6 +25,18 @@ def test_bench_decoder_runs_on_cpu():
     assert "M=2 torch.compile: final hidden state within" in r.stdout
 
 
+BAD_SIZES = [(["--m", "65"], "--m takes 1..64"), (["--m", "0"], "--m takes 1..64"),
+             (["--ctx", "100"], "--ctx must be a multiple of 16")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_SIZES)
+def test_bench_decoder_refuses_bad_sizes_by_name(args, message):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "benchmarks/bench_decoder.py", "--device", "cpu", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
 def test_torch_attention_input_writes_its_slots_and_no_other():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_decoder as bd
