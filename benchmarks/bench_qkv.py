@@ -12,6 +12,7 @@ rows show the same numbers, since torch has no NVFP4 GEMM on sm_90a. Neither has
 
     PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--json FILE.json] [--heads 32x4 ...]
         [--m 1 ...] [--fmt bf16 nvfp4] [--bundle build/flint] [--compare BUNDLE ...] [--all | --quick]
+        [--commit HASH]     # (the commit recorded; default `git rev-parse --short HEAD`, else 'unknown')
     python benchmarks/plot_qkv.py FILE.json FILE.png        # the plot, from the JSON (needs matplotlib)
 
 The designs are chosen with loader.launch_options(design=...). --all adds the prologue design with an FP8
@@ -298,6 +299,7 @@ def main():
     ap.add_argument("--m", nargs="*", type=int, default=MS)
     ap.add_argument("--fmt", nargs="*", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
     ap.add_argument("--bundle", default="build/flint")
+    ap.add_argument("--commit", default=None, help="recorded commit (default: git rev-parse --short HEAD)")
     ap.add_argument("--compare", nargs="*", default=[], help="other bundle directories (A/B, fused op only)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--all", action="store_true", help="also the prologue design with an FP8 cache, no PDL")
@@ -308,7 +310,7 @@ def main():
     heads = HEADS if not args.heads else [tuple(int(v) for v in h.split("x")) for h in args.heads]
     fmts = sorted(set(args.fmt), key=lambda f: f != "bf16")  # BF16 first: its weights serve the peers
     t_start = time.perf_counter()
-    commit = git_commit()
+    commit = args.commit or git_commit()
     main_bundle = Path(args.bundle).resolve()
     loader.load_bundle(main_bundle)
     tg = load_triton_gemm()
