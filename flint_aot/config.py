@@ -145,7 +145,7 @@ def validate(raw, source: str = "<config>") -> dict:
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
                                           "kv_cache_dtype": False, "norm": False,
-                                          "max_m": False, "debug_stream": False})  # fmt: skip
+                                          "max_m": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
@@ -155,10 +155,6 @@ def validate(raw, source: str = "<config>") -> dict:
             "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
         }  # fmt: skip
-        if "debug_stream" in q:  # research: the 8-token tile built as the token stream (never for serving)
-            if q["debug_stream"] is not True:
-                c.fail("qkv.debug_stream", q["debug_stream"], "true")
-            out["qkv"]["debug_stream"] = True
     if "gemv" in raw:
         g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
@@ -268,9 +264,8 @@ def expand(config: dict) -> list[Specialization]:
         q = config["qkv"]
         axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
                 q.get("norm", ["separate"]), q.get("max_m", list(M_TILES)))  # fmt: skip
-        debug = {"debug_stream": True} if q.get("debug_stream") else {}
         for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
-            specs.append(("qkv", {**abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile), **debug}))
+            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
     g = config.get("gemv", {})
     for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
         specs.append(("gemv", abi.gemv_spec(fmt, tile)))

@@ -111,7 +111,6 @@ def test_valid_config_roundtrip():
         (lambda c: c["qkv"].update(max_m=[8, 12, 64]), ["qkv.max_m[1]", "8 | 16 | 32 | 64"]),
         (lambda c: c["qkv"].update(max_m=[64, True]), ["qkv.max_m[1]", "8 | 16 | 32 | 64"]),
         (lambda c: c.update(gemv={"weight_format": ["bf16"], "max_m": [8]}), ["gemv.max_m", "holding 64"]),
-        (lambda c: c["qkv"].update(debug_stream=False), ["qkv.debug_stream", "true"]),
         (lambda c: c.pop("archs"), ["archs", "missing"]),
         (lambda c: (c.pop("norm"), c.pop("qkv")), ["no kernels"]),
     ],

@@ -1,7 +1,8 @@
 """The compiled schedules the design depends on (docs/kernels.md), read from the SASS (nvdisasm from the
 nvidia-cuda-nvdisasm wheel), for every kernel kind and both architectures: weights issued before
-griddepcontrol.wait (ACQBULK), activations after it, no local memory, and at most 168 registers for the GEMV
-kernels (3 CTAs of 128 threads per SM: one wave)."""
+griddepcontrol.wait (ACQBULK), activations after it, no local memory, at most 168 registers for the GEMV
+kernels (3 CTAs of 128 threads per SM: one wave), and for the token stream shared memory that does not grow
+with the tile."""
 
 import re
 import shutil
@@ -35,7 +36,7 @@ def _sass(cubin: bytes, tmp_path) -> list[str]:
     f = tmp_path / "k.cubin"
     f.write_bytes(cubin)
     out = subprocess.run([tool, "-c", str(f)], capture_output=True, text=True, check=True).stdout
-    return [ln.split(";")[0].strip() for ln in out.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    return [ln.split(";")[0].strip() for ln in out.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
 
 
 def _split(sass, expect=1):
@@ -60,9 +61,25 @@ def _no_spills(sass):
     assert not any(re.search(r"\b(STL|LDL)\b", ln) for ln in sass), "local memory (spills)"
 
 
+def _static_smem(cubin: bytes) -> int:
+    """Bytes of the kernel's static shared memory (its .nv.shared.<entry> section)."""
+    from loader.elf import _sections
+
+    secs, strndx = _sections(cubin)
+    names = secs[strndx]
+    name = lambda sec: cubin[names.offset + sec.name_off :].split(b"\0", 1)[0]  # noqa: E731
+    return sum(sec.size for sec in secs if name(sec).startswith(b".nv.shared."))
+
+
+def _spec(kind, fmt, kv, norm, tile):
+    from loader import abi
+
+    return abi.qkv_spec(fmt, True, 16, 2, kv, norm, tile) if kind == "qkv" else abi.gemv_spec(fmt, tile)
+
+
 GEMV_CASES = [("qkv", fmt, kv, norm, tile) for fmt in ("bf16", "nvfp4") for norm in ("separate", "prologue")
-              for kv in ("bf16", "fp8_e4m3") for tile in (8, 16) if kv == "bf16" or norm == "prologue"] + [
-    ("gemv", fmt, None, None, tile) for fmt in ("bf16", "nvfp4") for tile in (8, 16)]  # fmt: skip
+              for kv in ("bf16", "fp8_e4m3") for tile in (8, 16, 64) if kv == "bf16" or norm == "prologue"] + [
+    ("gemv", fmt, None, None, tile) for fmt in ("bf16", "nvfp4") for tile in (8, 16, 64)]  # fmt: skip
 
 
 # every case on sm_90a (the GPUs we run on); on sm_100a (built, never run here) one per kind, format and tile
@@ -73,46 +90,62 @@ ARCH_CASES = [(*c, "sm_90a") for c in GEMV_CASES] + [
 
 @pytest.mark.parametrize("kind,fmt,kv,norm,tile,arch", ARCH_CASES)
 def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
-    """Both token tiles: 8 (x fragments of one group of 8 tokens) and 16 (two groups; x of m tokens in
-    dynamic shared memory, the standalone GEMV copying it there by bulk copies)."""
-    from loader import abi
-
-    if kind == "qkv":
-        spec = abi.qkv_spec(fmt, True, 16, 2, kv, norm, tile)
-    else:
-        spec = abi.gemv_spec(fmt, tile)
-    c, regs = _compile(kind, spec, arch)
+    """Tile 8 (the 8-token kernels: x of all K in shared memory, warps = K quarters) and the token stream
+    (tiles 16 and 64: a CTA per K quarter of 64 rows, x one group of 8 tokens at a time by bulk copies)."""
+    c, regs = _compile(kind, _spec(kind, fmt, kv, norm, tile), arch)
     sass = _sass(c.cubin, tmp_path)
-    before, after = _split(sass, 2 if kind == "qkv" or tile == 16 else 1)
+    before, after = _split(sass, 2 if kind == "qkv" or tile > 8 else 1)
     weights = [ln for ln in sass if re.search(r"\bLDG\..*CONSTANT", ln)]
     assert all(ln in before for ln in weights) and not any("CONSTANT" in ln for ln in after)
     assert len(weights) == (32 if fmt == "bf16" else 16)  # 16 B each (BF16); 8 x 16 B codes + 8 x 4 B scales
     x_loads = [ln for ln in sass if re.search(r"\bLDG\.E\.128\b", ln) and "CONSTANT" not in ln]
-    bulk = [ln for ln in sass if "UBLKCP" in ln and "MULTICAST" in ln]
+    bulk = [ln for ln in sass if "UBLKCP" in ln]
     groups = tile // 8  # of 8 tokens
-    if norm == "separate":  # xn read once per cluster: one multicast bulk copy, after the copier's own wait
-        assert len(bulk) == 1 and bulk[0] in after and not x_loads
-    elif norm == "prologue":  # each CTA reads its slice of x and the residual (4 warps x 2 tokens per group
-        # of 8, with and without a residual: 2 + 1 loads each) and its norm weight (2 chunks), all after the
-        # wait; the slices go to the peers by st.async (7 x 16 B of r and one 4-byte sum per token, in both
-        # branches)
-        assert not bulk and len(x_loads) == 2 + 2 * 3 * groups and all(ln in after for ln in x_loads)
-        assert sum(bool(re.search(r"\bSTAS\.128\b", ln)) for ln in after) == 2 * 2 * 7 * groups
-    if kind == "qkv" or tile == 16:
+    assert sum(bool(re.search(r"\bHMMA\.16816\.F32\.BF16\b", ln)) for ln in after) == 32 * groups
+    if kind == "qkv" or tile > 8:  # x fragments from shared memory
         assert sum(bool(re.search(r"\bLDS\.128\b", ln)) for ln in after) >= 16 * groups
-    if kind == "gemv" and tile == 16:  # x staged by one bulk copy per token, after the copier's own wait
-        copies = [ln for ln in sass if "UBLKCP" in ln]
-        assert len(copies) == 1 and copies[0] in after and not x_loads
-    elif kind == "gemv":
+    if tile > 8:  # the token stream: each group's partial sums to their owners, 2 x 8 bytes per thread
+        assert sum(bool(re.search(r"\bSTAS\.64\b", ln)) for ln in after) >= 2 * groups
+        if norm != "prologue":  # one bulk copy per group (its tokens' K quarter), after the copier's wait
+            assert len(bulk) == groups and all(ln in after for ln in bulk) and not x_loads
+            assert not any("MULTICAST" in ln for ln in bulk)
+        else:  # x and the residual read twice per token (the sums, then the group's normalisation)
+            assert not bulk and x_loads and all(ln in after for ln in x_loads)
+    elif norm == "separate":  # xn read once per cluster: one multicast bulk copy, after the copier's own wait
+        assert len(bulk) == 1 and "MULTICAST" in bulk[0] and bulk[0] in after and not x_loads
+    elif norm == "prologue":  # each CTA reads its slice of x and the residual (4 warps x 2 tokens, with and
+        # without a residual: 2 + 1 loads each) and its norm weight (2 chunks), all after the wait; the slices
+        # go to the peers by st.async (7 x 16 B of r and one 4-byte sum per token, in both branches)
+        assert not bulk and len(x_loads) == 2 + 2 * 3 and all(ln in after for ln in x_loads)
+        assert sum(bool(re.search(r"\bSTAS\.128\b", ln)) for ln in after) == 2 * 2 * 7
+    else:  # the 8-token standalone GEMV: x from global memory after the wait
         assert len(x_loads) == 16 and all(ln in after for ln in x_loads), "x must be read after the wait"
     assert not any(re.search(r"\bLDG\.E\.64\b", ln) for ln in before), "positions / slots after the wait"
-    if fmt == "nvfp4":
-        # the e2m1 decode of 12 (qkv) / 8 (gemv) of each row's 16 code words before the wait, 8 HMUL2 each
-        assert sum("HMUL2" in ln for ln in before) == (96 if kind == "qkv" else 64)
+    if fmt == "nvfp4":  # the e2m1 decode (8 HMUL2 a code word) of 12 (8-token qkv) / 8 (8-token gemv) of each
+        # row's 16 words before the wait; the stream decodes all 16 once, at least its 12 before the wait
+        decoded = sum("HMUL2" in ln for ln in before)
+        if tile == 8:
+            assert decoded == (64 if kind == "gemv" else 96)
+        else:
+            assert 96 <= decoded <= 128
     _no_spills(sass)
     # one wave (3 CTAs of 128 threads per SM) needs <= 168 registers; the standalone 8-token BF16 GEMV
     # compiles to 172 on sm_100a (2 CTAs per SM there; not run: no Blackwell GPU)
     assert regs <= (176 if (kind, fmt, tile, arch) == ("gemv", "bf16", 8, "sm_100a") else 168), regs
+
+
+@pytest.mark.parametrize("kind,fmt,norm", [("qkv", "bf16", "separate"), ("qkv", "nvfp4", "prologue"),
+                                           ("gemv", "bf16", None)])  # fmt: skip
+def test_stream_shared_memory_does_not_grow(kind, fmt, norm):
+    """The token stream's shared memory, static and dynamic, is the same for 32 and 64 tokens (a 4-stage x
+    ring of 8 tokens' K quarter, 4 slots of partial sums and exchange), and with three CTAs it leaves most of
+    the SM's 228 KB to L1."""
+    sizes = []
+    for tile in (32, 64):
+        c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")
+        sizes.append((_static_smem(c.cubin), c.dyn_smem))
+    assert sizes[0] == sizes[1], sizes
+    assert 3 * sum(sizes[0]) <= 160 * 1024, sizes
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -1,11 +1,12 @@
 """Fused qkv calls for compute-sanitizer (memcheck / racecheck / synccheck): both weight formats, both designs
 (the input norm in the qkv kernel's prologue, and the two-kernel design), BF16 and FP8 caches, with and
-without a residual, M = 3, 8, 16 (both token tiles), bad slots among them; then the unfused path (norm, gemv,
-qk_norm_rope_cache) at M = 5 and 13.
+without a residual, M = 3, 8 (the 8-token tile), 16, 33 and 64 (the token stream's tiles), bad slots among them;
+then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
 
     compute-sanitizer --tool racecheck --report-api-errors no python3 tools/sanitize_case.py [M ...]
 
-Given token counts, only the fused calls with those M (racecheck is slow: `16` checks the 16-token kernels).
+Given token counts, only the fused calls with those M, and the unfused path at the largest (racecheck is slow:
+`1 16 64` checks the 8-, 16- and 64-token kernels).
 """
 
 import sys
@@ -21,7 +22,8 @@ for design in ("prologue", "separate"):
     with loader.launch_options(design=design):
         for fmt in ("bf16", "nvfp4"):
             for kv in ("bf16", "fp8_e4m3"):
-                for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16)):
+                for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16),
+                                           (True, (16, 2), 33), (True, (32, 4), 64), (True, (16, 8), 1)):
                     if ONLY and m not in ONLY:
                         continue
                     slots = [3, -1, 70, 200, 9, -3, 11, 12, 40, 41, 42, 43, 44][:m]
@@ -32,7 +34,7 @@ for design in ("prologue", "separate"):
                     q, r = loader.flint_qkv_fused(**c)
 keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache", "v_cache",
         "slot_mapping", "num_q_heads", "num_kv_heads", "k_scale", "v_scale")  # fmt: skip
-for m in (5, 13) if not ONLY else (13,):  # the 8- and the 16-token GEMV
+for m in (5, 13, 64) if not ONLY else (max(ONLY),):  # the 8-token GEMV and the stream
     c = op_args(make_case(m, 16, 2, True, seed=1, kv_dtype="fp8_e4m3"))
     xn, ro = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
     qkv = loader.gemv(xn, c["weight"])

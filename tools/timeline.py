@@ -8,8 +8,9 @@
        cp -r /tmp/tl/build/timeline build/timeline
 
    Thread 0 of every qkv CTA then writes %globaltimer (ns) at T0 start, T1 its weights arrived, T2 its
-   griddepcontrol.wait returned, T3 the activations are in shared memory, T4 the GEMV is done, T5 the q/k
-   epilogue exchange is done, T6 its last store is issued (and %smid); the norm kernel T0 start, T1 wait
+   griddepcontrol.wait returned, T3 the activations are in shared memory (the token stream: its first
+   group's x), T4 the GEMV is done, T5 the (last) q/k epilogue exchange is done, T6 its last store is issued
+   (and %smid), and in the token stream the end of each group's MMAs; the norm kernel T0 start, T1 wait
    returned, T2 reduced, T3 stored. The qkv kernel writes into `v_scale`, which a BF16-cache build never
    reads; the norm kernel gets a trailing `trace` parameter. Both are filled by this tool (the loader
    refuses the norm kernel's extra parameter on its own).
@@ -58,7 +59,10 @@ def _tl_store(tid, ptr, val):
 '''
 
 # (file, anchor, replacement): each anchor must occur exactly once
-_QKV_AT = "v_scale + (cta * 8 + {})"
+SLOTS = 16  # trace words per qkv CTA: T0..T6, %smid, then the token stream's groups' MMA ends
+_QKV_AT = "v_scale + (cta * 16 + {})"
+_T_AT = "a.v_scale + (t.cta * 16 + {})"
+_GROUP_END = f"                _tl_store(t.tid, {_T_AT.format('8 + i')}, _tl_time(core.runtime_zero([device.f32_bits(d[0])], a.m)))\n"
 PATCHES = [
     ("flint_aot/kernels/gemv_core.py", "K = HIDDEN\n", "K = HIDDEN\nTRACE_CB = None  # timeline builds\n"),
     (
@@ -76,33 +80,60 @@ PATCHES = [
         f"        core.TRACE_CB = lambda z: _tl_store(tid, {_QKV_AT.format(1)}, _tl_time(z))\n"
         "        head = cta // CLUSTER",
     ),
+    # the 8-token kernel: T2 wait returned, T3 activations in, T4 GEMV done, T6 epilogue issued
     (
         "flint_aot/kernels/qkv.py",
         "        if cutlass.const_expr(self.fp4):\n            self.activations(a, t, s)\n",
         "        if cutlass.const_expr(self.fp4):\n            self.activations(a, t, s)\n"
-        f"        _tl_store(tid, {_QKV_AT.format(2)}, _tl_time(wst['zero']))\n",
+        f"        _tl_store(t.tid, {_T_AT.format(2)}, _tl_time(wst['zero']))\n",
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), m, tid,\n"
-        "                             between=lambda: self.late_inputs(a, t, e))  # fmt: skip\n",
+        "        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), a.m, t.tid)\n",
         "        cute.arch.mbarrier_wait(s.mbx, 0)\n"
-        f"        _tl_store(tid, {_QKV_AT.format(3)}, _tl_time(tz))\n"
-        "        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), m, tid,\n"
-        "                             between=lambda: self.late_inputs(a, t, e))  # fmt: skip\n"
-        f"        _tl_store(tid, {_QKV_AT.format(4)}, _tl_time(core.runtime_zero([device.f32_bits(acc[0])], m)))\n",
+        f"        _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
+        "        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), a.m, t.tid)\n"
+        f"        _tl_store(t.tid, {_T_AT.format(4)}, _tl_time(core.runtime_zero([device.f32_bits(acc)], a.m)))\n",
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "        cute.arch.mbarrier_wait(s.mbar, 0)\n",
-        "        cute.arch.mbarrier_wait(s.mbar, 0)\n        tid, v_scale, cta, m = t.tid, a.v_scale, t.cta, a.m\n"
-        f"        _tl_store(tid, {_QKV_AT.format(5)}, _tl_time(m >> 31))\n",
+        "        self.epilogue_finish(a, t, buf, hv, 0, scale, e, wn, wp)\n",
+        "        self.epilogue_finish(a, t, buf, hv, 0, scale, e, wn, wp)\n"
+        f"        _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(hv)], a.m)))\n",
+    ),
+    # both: T5 the (last) q/k exchange done
+    (
+        "flint_aot/kernels/qkv.py",
+        "            cute.arch.mbarrier_wait(mbar, phase)\n",
+        "            cute.arch.mbarrier_wait(mbar, phase)\n"
+        f"            _tl_store(t.tid, {_T_AT.format(5)}, _tl_time(a.m >> 31))\n",
+    ),
+    # the token stream: T2, T3 the first group's x in, each group's MMAs done (words 8 + i), T6
+    (
+        "flint_aot/kernels/qkv.py",
+        "            first()\n        scale = self.cache_scale(a, t)\n",
+        "            first()\n        scale = self.cache_scale(a, t)\n"
+        f"        _tl_store(t.tid, {_T_AT.format(2)}, _tl_time(st['zero']))\n",
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "        self.epilogue(a, t, s, e, h)\n",
-        "        self.epilogue(a, t, s, e, h)\n"
-        f"        _tl_store(tid, {_QKV_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(acc[0])], m)))\n",
+        "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)\n",
+        "                if cutlass.const_expr(i == 0):\n"
+        "                    cute.arch.mbarrier_wait(s.mbx, 0)\n"
+        f"                    _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
+        "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)\n" + _GROUP_END,
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)\n",
+        "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)\n"
+        + _GROUP_END,
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "                self.stream_finish(a, t, s, hvs[i - 2], i - 2, scale, ins[i - 2])\n",
+        "                self.stream_finish(a, t, s, hvs[i - 2], i - 2, scale, ins[i - 2])\n"
+        f"                _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(hvs[i - 2])], a.m)))\n",
     ),
     (
         "flint_aot/kernels/norm.py",
@@ -145,7 +176,7 @@ qkv:
   rope: [true]
   heads: [[32, 4], [16, 8], [16, 2]]
   kv_cache_dtype: [bf16]
-  norm: [separate, prologue]
+  norm: [separate]
 """
 
 
@@ -197,7 +228,7 @@ def run(bundle: str, specs: list[str]) -> None:
         m = int(m)
         chain = LayerChain(nq, nkv, fmt)
         layers, n = chain.layers, (nq + 2 * nkv) * D
-        tq = torch.zeros(layers, n // 16, 8, dtype=torch.int32, device="cuda")
+        tq = torch.zeros(layers, n // 16, SLOTS, dtype=torch.int32, device="cuda")
         tn = torch.zeros(layers, 8, 8, dtype=torch.int32, device="cuda")
 
         def point(i):  # the trace buffers of layer i
@@ -224,7 +255,8 @@ def run(bundle: str, specs: list[str]) -> None:
         per_layer = a.elapsed_time(b) * 1e3 / layers
         t = tq.cpu().numpy().astype(np.int64)
         base = t[:, :, 0].min()
-        t, sm = (t[:, :, :7] - base) % (1 << 32), t[:, :, 7]  # ns (globaltimer_lo wraps every 4.3 s)
+        groups = -(-m // 8)
+        t, sm, ge = (t[:, :, :7] - base) % (1 << 32), t[:, :, 7], (t[:, :, 8 : 8 + groups] - base) % (1 << 32)
         nt = (tn.cpu().numpy().astype(np.int64)[:, :m, :4] - base) % (1 << 32)
         qk = (nq + nkv) * 8  # CTAs of q/k heads (the exchange)
         rows = []
@@ -244,6 +276,14 @@ def run(bundle: str, specs: list[str]) -> None:
                 "stores (T6 - T5)": np.median(L[:qk, 6] - L[:qk, 5]),
                 "next layer's CTAs started before this layer's last store": np.mean(N[:, 0] < L[:, 6].max()),
             }
+            if m > 8:  # the token stream: T4 = the last group's MMAs, and the time per further group
+                G = ge[i]
+                row["GEMV (T4 - T3)"] = np.median(G[:, -1] - L[:, 3])
+                row["first group's MMAs (from T3)"] = np.median(G[:, 0] - L[:, 3])
+                if groups > 1:
+                    row["per further group (median over CTAs)"] = np.median((G[:, -1] - G[:, 0]) / (groups - 1))
+                row["weights in to last group's MMAs"] = np.median(G[:, -1] - L[:, 1])
+                row["q/k exchange (T5 - T4)"] = np.median(L[:qk, 5] - G[:qk, -1])
             if design == "separate":
                 nn = nt[i + 1]  # the norm kernel between qkv layers i and i + 1
                 row["norm: wait-return after the last qkv store"] = nn[:, 1].max() - L[:, 6].max()

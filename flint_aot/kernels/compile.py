@@ -44,6 +44,7 @@ class Kernel:
     block: tuple = (128, 1, 1)
     cluster: tuple = (1, 1, 1)
     grid: tuple | None = None  # the grid rule (loader.abi.GRID_SYMBOLS); None: the kind's, abi.GRID
+    dyn_smem = 0  # dynamic shared memory of every launch (bytes)
     dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
 
@@ -54,6 +55,7 @@ class Kernel:
     def compile(self, arch: str, entry_prefix: str) -> Compiled:
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
+                              dyn_smem=self.dyn_smem,
                               dyn_smem_per_m=self.dyn_smem_per_m, min_ctas_per_sm=self.min_ctas_per_sm,
                               grid=self.grid)  # fmt: skip
 

@@ -33,6 +33,7 @@ class GemvKernel(Kernel):
         else:
             self.stream = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
             self.cluster, self.grid = (STREAM_CLUSTER_GEMV, 1, 1), GRID_STREAM_GEMV
+            self.dyn_smem = self.stream.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM
 
     @cute.kernel
@@ -49,8 +50,8 @@ class GemvKernel(Kernel):
 
     def streamed(self, x, weight, weight_scale, global_scale, y, m, n, tid, cta):
         """The token stream: this CTA is quarter q = rank of quad cta // 4; after each group's MMAs its
-        warps' partial sums go to their row blocks' owners (rank w), and the owner stores the group's
-        previous one (one group behind: its peers' sums are in flight meanwhile)."""
+        warps' partial sums go to their row blocks' owners (rank w), which add and store them once their own
+        MMAs are done."""
         xs, red, mbx, mbr = self.stream.alloc()
         self.arm(xs, red, mbx, mbr, tid)
         q = cute.arch.block_idx_in_cluster()
@@ -71,14 +72,14 @@ class GemvKernel(Kernel):
 
     @cute.jit
     def groups(self, st, xs, red, mbx, mbr, x, y, m, n, tid, q, quad):
-        for i in cutlass.range_constexpr(self.stream.groups + 1):
-            if cutlass.const_expr(i < self.stream.groups):
-                if GROUP * i < m:
-                    self.group(st, xs, red, mbx, mbr, x, m, tid, q, i)
-            if cutlass.const_expr(i >= 1):
-                if GROUP * (i - 1) < m:
-                    self.store(y, self.stream.total(st, red, mbr, i - 1, tid), quad * core.WARPS + q, i - 1, tid,
-                               m, n)  # fmt: skip
+        """Every group's MMAs (their partial sums sent to the owners without waiting), then the owner's sums
+        and stores."""
+        for i in cutlass.range_constexpr(self.stream.groups):
+            if GROUP * i < m:
+                self.group(st, xs, red, mbx, mbr, x, m, tid, q, i)
+        for i in cutlass.range_constexpr(self.stream.groups):
+            if GROUP * i < m:
+                self.store(y, self.stream.total(st, red, mbr, i, tid), quad * core.WARPS + q, i, tid, m, n)
 
     @cute.jit
     def group(self, st, xs, red, mbx, mbr, x, m, tid, q, i: cutlass.Constexpr):

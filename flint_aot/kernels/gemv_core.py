@@ -394,14 +394,16 @@ class CtaGemv:
 # * a CTA of 4 warps takes 64 rows (4 row blocks, warp w the block 4 quad + w) of ONE K quarter q; the 4 CTAs
 #   of one quad (its quarters 0..3) are 4 consecutive ranks of a cluster, 4 h + q;
 # * x arrives per group of 8 tokens, and only the CTA's quarter of it (8 x 1 KB, bulk copies into a ring of
-#   STAGES stages), so no resource of a CTA grows with M; each weight fragment, held in registers for the
-#   whole call, meets every group;
+#   STAGES stages in dynamic shared memory, each refilled as soon as every warp has read it); each weight
+#   fragment, held in registers for the whole call, meets every group;
 # * after each group's MMAs every warp sends its 16 x 8 partial sums to the rank that owns its row block
-#   (4 h + w), by st.async; the owner adds the four quarters in order 0..3 (sum_quarters) and holds, like the
-#   8-token kernel after reduce_rows, the sum of row tid % 16, token 8 i + tid // 16.
+#   (4 h + w), by st.async, and goes on to the next group without waiting for anyone: the owner adds the four
+#   quarters (sum_quarters, in order 0..3) of every group once its own MMAs are done, holding, like the 8-token
+#   kernel after reduce_rows, the sum of row tid % 16, token 8 i + tid // 16. (Waiting for a peer's group after
+#   each group, as a first version did, paid a DSMEM round trip per group: 1.2-1.5 us, BENCHMARKS.md.)
 QUARTER = K // WARPS  # k per quarter (512)
 GROUP = 8  # tokens per group: one mma.sync N
-STAGES = 2  # x ring depth (groups in flight per CTA)
+STAGES = 3  # x ring depth: a group's bulk copies are issued 2 groups before its MMAs
 PART_BYTES = WARPS * ROWS * GROUP * 4  # partial sums one owner receives per group (4 quarters, fp32)
 
 
@@ -417,16 +419,17 @@ class StreamGemv:
     brings a group's x quarter into the ring, `partials` runs a group's MMAs, `send` hands them to the row
     blocks' owners, `total` is the owner's sum. The caller decides the order (docs/kernels.md §2.5)."""
 
-    def __init__(self, fp4: bool, tile: int, pre: int):
+    def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES):
         self.fp4, self.tile, self.pre = fp4, tile, pre
         self.groups = tile // GROUP
-        self.stages = min(STAGES, self.groups)
+        self.stages = min(stages, self.groups)
         self.xrow = stream_row(fp4)
+        self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
 
     def alloc(self):
-        """x ring [stage][token][xrow] bf16, the owners' partial sums [group][quarter][row][token] fp32, one
-        mbarrier per stage (x copies) and per group (partial sums)."""
-        xs = cute.arch.alloc_smem(BFloat16, self.stages * GROUP * self.xrow, alignment=128)
+        """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums
+        [group][quarter][row][token] fp32, one mbarrier per stage (x copies) and per group (partial sums)."""
+        xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
         red = cute.arch.alloc_smem(Float32, self.groups * PART_BYTES // 4, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, self.stages, alignment=8)
         mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)

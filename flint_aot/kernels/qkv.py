@@ -70,10 +70,11 @@ class QkvKernel(Kernel):
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
         self.prologue = spec.get("norm") == "prologue"
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
-        # the token stream (docs/kernels.md §2.5); research: debug_stream builds the 8-token tile so too
-        self.streamed = self.tile > GROUP or bool(spec.get("debug_stream"))
+        self.streamed = self.tile > GROUP  # the token stream (docs/kernels.md §2.5)
         if self.streamed:
-            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV)
+            # (the prologue design fills its ring itself, one group ahead: 2 stages)
+            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, 2 if self.prologue else core.STAGES)
+            self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
         else:
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
@@ -256,10 +257,12 @@ class QkvKernel(Kernel):
     # ------------------------------------------------------------------- the token stream (docs/kernels.md §2.5)
     def stream_kernel(self, a, t):
         """Tiles 16, 32, 64: the CTA of rank 4 h + q computes K quarter q of the head's rows 64 h .. 64 h + 63
-        (gemv_core.StreamGemv) for one group of 8 tokens after another; the quarters' partial sums meet at
-        the owner of each row block (rank 4 h + w, the head's dims 16 (4 h + w) ..), whose epilogue is the
-        8-token kernel's, group by group. Software-pipelined by groups: the MMAs of group i, the sum and the
-        exchange of group i - 1 and the stores of group i - 2 (each waits for bytes sent one group earlier)."""
+        (gemv_core.StreamGemv) for one group of 8 tokens after another, sending each group's partial sums to
+        the owner of each row block (rank 4 h + w, the head's dims 16 (4 h + w) ..) without waiting; then, as
+        owner, the 8-token kernel's epilogue for every group: first every group's sum and exchange, then
+        every group's stores, so that each exchange is waited for once, not once per group. The slots and
+        positions of every token are read once, into shared memory, by the threads that copy the first groups
+        of x."""
         s = self.stream_shared(a, t)
         q = t.rank % QUARTERS
         row0 = ((t.cta // QUARTERS) * QUARTERS + t.tid // 32) * R  # this warp's row block
@@ -272,27 +275,28 @@ class QkvKernel(Kernel):
         if cutlass.const_expr(self.prologue):
             self.stream_norm_fill(a, t, s, q, 0)
             cute.arch.sync_threads()
-        ins = [None] * self.groups
-        hvs = [None] * self.groups
-        for i in range(self.groups + 2):  # (trace time: unrolled)
-            if 1 <= i <= self.groups:  # group i - 1's epilogue inputs: their latency under group i's MMAs
-                ins[i - 1] = self.epilogue_inputs(a, t, i - 1)
-            if i < self.groups:
-                self.stream_mma(a, t, s, st, q, i)
-            if 1 <= i <= self.groups:
-                hvs[i - 1] = self.stream_send(a, t, s, st, i - 1, scale, ins[i - 1])
-            if i >= 2:
-                self.stream_finish(a, t, s, hvs[i - 2], i - 2, scale, ins[i - 2])
+        for i in range(self.groups):  # (trace time: unrolled)
+            self.stream_mma(a, t, s, st, q, i)
+        cute.arch.mbarrier_wait(s.mbm, 0)  # the slots and positions are in shared memory
+        rope = [self.stream_rope(a, t, s, i) for i in range(self.groups)]  # (in flight during the exchanges)
+        hvs = [self.stream_send(a, t, s, st, i, scale, rope[i]) for i in range(self.groups)]
+        for i in range(self.groups):
+            self.stream_finish(a, t, s, hvs[i], i, scale, rope[i])
 
     @cute.jit
     def stream_shared(self, a, t):
-        """The stream's shared memory (gemv_core.StreamGemv.alloc) and, per group, the epilogue's exchange
-        buffers and mbarrier (as tile 8's ssq, pv, mbar); prologue design: ssn [token][virtual warp], the 8
-        slice sums of squares of each token, on mbn. Initialised before the cluster arrive."""
+        """The stream's shared memory (gemv_core.StreamGemv.alloc), the epilogue's exchange buffers and
+        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written) and position
+        (-1: outside the table) on mbm; prologue design: ssn [token][virtual warp], the 8 slice sums of squares
+        of each token, on mbn. Initialised before the cluster arrive."""
         xs, red, mbx, mbr = self.core.alloc()
-        ssq = cute.arch.alloc_smem(Float32, self.groups * CLUSTER * GROUP, alignment=16)
-        pv = cute.arch.alloc_smem(Float32, self.groups * R * GROUP, alignment=16)
-        mbar = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
+        slots = self.groups
+        ssq = cute.arch.alloc_smem(Float32, slots * CLUSTER * GROUP, alignment=16)
+        pv = cute.arch.alloc_smem(Float32, slots * R * GROUP, alignment=16)
+        mbar = cute.arch.alloc_smem(Int64, slots, alignment=8)
+        mslot = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
+        mpos = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
+        mbm = cute.arch.alloc_smem(Int64, 1, alignment=8)
         ssn = ssq
         mbn = mbar
         if cutlass.const_expr(self.prologue):
@@ -300,23 +304,25 @@ class QkvKernel(Kernel):
             mbn = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if t.tid == 0:
             self.core.arm(xs, red, mbx, mbr)
-            for i in cutlass.range_constexpr(self.groups):
+            for i in cutlass.range_constexpr(slots):
                 cute.arch.mbarrier_init(mbar + i, 1)
+            cute.arch.mbarrier_init(mbm, GROUP)
             if cutlass.const_expr(self.prologue):
                 cute.arch.mbarrier_init(mbn, 1)
             cute.arch.mbarrier_init_fence()
             if not t.is_v:
-                for i in cutlass.range_constexpr(self.groups):
+                for i in cutlass.range_constexpr(slots):
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar + i, self.rx_bytes)
             if cutlass.const_expr(self.prologue):  # 2 sums from each of the 4 quarters' CTAs, per token
                 cute.arch.mbarrier_arrive_and_expect_tx(mbn, a.m * (CLUSTER * 4))
         cute.arch.cluster_arrive_relaxed()
-        return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssq=ssq, pv=pv, mbar=mbar, ssn=ssn, mbn=mbn)
+        return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssq=ssq, pv=pv, mbar=mbar, ssn=ssn, mbn=mbn,
+                               mslot=mslot, mpos=mpos, mbm=mbm)  # fmt: skip
 
     def stream_first(self, a, t, s, q):
         """Once the weights are issued (BF16) or after the guarded wait (NVFP4): the separate design's first
         ring stages (threads tid < 8, waiting for the predecessor themselves), or the prologue design's sums
-        of squares (every thread)."""
+        of squares (every thread); then threads tid < 8 stage every token's slot and position."""
         if cutlass.const_expr(self.prologue):
             self.stream_norm_sums(a, t, s, q)
         else:
@@ -329,6 +335,36 @@ class QkvKernel(Kernel):
             for i in cutlass.range_constexpr(self.core.stages):
                 if GROUP * i < a.m:
                     self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+            self.stream_meta(a, t, s)
+
+    @cute.jit
+    def stream_meta(self, a, t, s):
+        """Threads tid < 8, after the wait: tokens tid, tid + 8, ..: the slot as int32 (-1 unless inside the
+        cache, which the loader keeps below 2**31 slots) and the position (-1 outside the cos/sin table; tokens
+        past m take token m - 1's) into shared memory, then an arrival on mbm."""
+        st = cute.make_tensor(s.mslot, cute.make_layout(self.tile))
+        sp = cute.make_tensor(s.mpos, cute.make_layout(self.tile))
+        for j in cutlass.range_constexpr(self.tile // GROUP):
+            tok = t.tid + GROUP * j
+            slot = Int64(-1)
+            if tok < a.num_slot_mapping:
+                slot = device.at(a.slot_mapping, tok)[0]
+            st[tok] = Int32(cutlass.select_(slot >= 0 and slot < a.num_cache_slots, slot, Int64(-1)))
+            if cutlass.const_expr(self.rope):
+                p = device.at(a.positions, cutlass.min(tok, a.m - 1))[0]
+                sp[tok] = Int32(cutlass.select_(p >= 0 and p < a.max_pos, p, Int64(-1)))
+        cute.arch.mbarrier_arrive(s.mbm)
+
+    @cute.jit
+    def stream_rope(self, a, t, s, i: cutlass.Constexpr):
+        """Group i's RoPE coefficients of this thread's token and dim (ok, cos, sin), read before its MMAs."""
+        ok = True
+        c = Float32(1.0)
+        sn = Float32(0.0)
+        if cutlass.const_expr(self.rope):
+            p = cute.make_tensor(s.mpos, cute.make_layout(self.tile))[GROUP * i + t.tk]
+            ok, c, sn = device.rope_coeffs(a.cos_sin_cache, Int64(p), a.max_pos, t.dim)
+        return ok, c, sn
 
     @cute.jit
     def stream_mma(self, a, t, s, st, q, i: cutlass.Constexpr):
@@ -352,22 +388,25 @@ class QkvKernel(Kernel):
             self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
-    def stream_send(self, a, t, s, st, i: cutlass.Constexpr, scale, e):
+    def stream_send(self, a, t, s, st, i: cutlass.Constexpr, scale, rope):
         """Group i at the owner: the quarters' sum rounded to bf16 (returned as fp32), then the epilogue's
         first half (v head: the cache store; q/k head: the exchange)."""
         hv = Float32(0.0)
         if GROUP * i < a.m:
             hv = self.core.total(st, s.red, s.mbr, i, t.tid).to(BFloat16).to(Float32)
-            self.epilogue_send(a, t, self.group_buffers(s, i), hv, i, scale, e)
+            self.epilogue_send(a, t, self.group_buffers(s, i), hv, i, scale, (self.stream_slot(s, t, i), *rope))
         return hv
 
     @cute.jit
-    def stream_finish(self, a, t, s, hv, i: cutlass.Constexpr, scale, e):
-        """Group i's stores (q/k heads), the q/k norm weights read here (L1 hits after the first group:
-        registers held across the MMAs would spill)."""
+    def stream_finish(self, a, t, s, hv, i: cutlass.Constexpr, scale, rope):
+        """Group i's stores (q/k heads), the q/k norm weights read here (L1 hits after the first group)."""
         if GROUP * i < a.m:
             wn, wp = self.norm_weights(a, t)
-            self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)
+            self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, (self.stream_slot(s, t, i), *rope),
+                                 wn, wp)  # fmt: skip
+
+    def stream_slot(self, s, t, i: int):
+        return cute.make_tensor(s.mslot, cute.make_layout(self.tile))[GROUP * i + t.tk]
 
     def group_buffers(self, s, i: int):
         return (s.ssq + i * (CLUSTER * GROUP), s.pv + i * (R * GROUP), s.mbar + i)
@@ -389,6 +428,8 @@ class QkvKernel(Kernel):
                     self.stream_norm_sum(a, t, s, q, tok, lane, True)
                 else:
                     self.stream_norm_sum(a, t, s, q, tok, lane, False)
+        if t.tid < GROUP:
+            self.stream_meta(a, t, s)
 
     @cute.jit
     def stream_norm_sum(self, a, t, s, q, tok, lane, res: cutlass.Constexpr):
@@ -449,8 +490,6 @@ class QkvKernel(Kernel):
         slot = Int64(-1)
         if tok < a.num_slot_mapping:
             slot = cute.make_tensor(a.slot_mapping, cute.make_layout(self.tile))[tok]
-        if cutlass.const_expr(self.streamed):  # an int32 slot, -1 unless inside the cache (< 2**31 slots)
-            slot = Int32(cutlass.select_(slot >= 0 and slot < a.num_cache_slots, slot, Int64(-1)))
         c = Float32(1.0)
         sn = Float32(0.0)
         ok = True
