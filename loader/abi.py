@@ -82,8 +82,7 @@ def spec_name(kind: str, spec: dict) -> str:
     if kind == "qkv":
         q, k = spec["heads"]
         pro = "_prologue" if spec.get("norm") == "prologue" else ""
-        research = "_dstream" if spec.get("debug_stream") else ""
-        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}{research}"
+        return f"qkv_{spec['weight_format']}_rope{int(spec['rope'])}_h{q}x{k}{kv}{pro}{tile}"
     if kind == "gemv":
         return f"gemv_{spec['weight_format']}{tile}"
     if kind == "qk_norm_rope_cache":
