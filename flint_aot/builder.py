@@ -223,8 +223,14 @@ def _cache_put(cache: Path, key: str, cubin: bytes, meta: dict) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=cache))
     try:
-        (tmp / "kernel.cubin").write_bytes(cubin)
-        (tmp / "meta.json").write_text(json.dumps(dict(meta, sha256=sha256_bytes(cubin)), sort_keys=True))
+        f = tmp / "kernel.cubin"
+        try:
+            f.write_bytes(cubin)
+            f = tmp / "meta.json"
+            f.write_text(json.dumps(dict(meta, sha256=sha256_bytes(cubin)), sort_keys=True))
+        except OSError as e:
+            raise BuildError(f"cache {f}: cannot write ({e.strerror}); free space there or choose another "
+                             "--cache-dir") from None  # fmt: skip
         try:
             os.rename(tmp, cache / key)
         except OSError:
@@ -591,16 +597,14 @@ def _write_bundle(out: Path, manifest: Manifest, files: dict[str, bytes], stop: 
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise BuildError(f"output {out}: cannot write beside it ({e.strerror}); choose another -o") from None
+    name = ""
     try:
-        for name, data in sorted(files.items()):
-            with open(staging / name, "wb") as f:
+        for name, data in [*sorted(files.items()), (MANIFEST_NAME, manifest.dumps().encode())]:
+            with open(staging / name, "wb") as f:  # the manifest last: it marks the bundle complete
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        with open(staging / MANIFEST_NAME, "w", encoding="utf-8") as f:  # last: marks the bundle complete
-            f.write(manifest.dumps())
-            f.flush()
-            os.fsync(f.fileno())
+        name = ""
         os.chmod(staging, 0o755)
         _fsync_dir(staging)
         if stop.requested:  # the last moment to stop: after this the new bundle is in place
@@ -611,9 +615,9 @@ def _write_bundle(out: Path, manifest: Manifest, files: dict[str, bytes], stop: 
         hint = (
             " (a mount point cannot be renamed: use a directory inside it)" if e.errno == errno.EBUSY else ""
         )
-        raise BuildError(
-            f"output {out}: cannot install the bundle ({e.strerror}){hint}; choose another -o"
-        ) from None
+        what = f"cannot write {name} ({e.strerror}): free space there or" if name else (
+            f"cannot install the bundle ({e.strerror}){hint};")  # fmt: skip
+        raise BuildError(f"output {out}: {what} choose another -o") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

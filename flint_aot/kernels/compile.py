@@ -10,14 +10,17 @@ pointers and Int32 / Int64 / Float32 scalars, each one .param with natural align
 from __future__ import annotations
 
 import inspect
+import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from loader.abi import GRID, MAX_M
+from loader.elf import CubinError, read_cubin
 
 _C_TYPE = {cute.Pointer: "ptr", Int32: "i32", Int64: "i64", Float32: "f32"}
 _PTR = (BFloat16, 16)  # a pointer's element type and assumed alignment unless the kernel's ptr_types say else
@@ -114,8 +117,32 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
             options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {d}",
         )  # fmt: skip
         cubin, ptx = c.artifacts.CUBIN, c.artifacts.PTX
+        _check_written(Path(d), cubin)
     names = list(c.kernel_info)
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
     return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem,
                     dyn_smem_per_m)  # fmt: skip
+
+
+def _check_written(d: Path, cubin: bytes) -> None:
+    """The DSL writes the cubin into d and reads it back, and a write the file system refuses (a full disk, a
+    file size limit) leaves it cut short without an error: an unreadable cubin is written again, longer, to
+    raise the OSError that cut it, naming the file."""
+    try:
+        read_cubin(cubin)
+        return
+    except CubinError:
+        pass
+    path = next(iter(sorted(d.glob("*.cubin"))), d / "kernel.cubin")
+    probe = path.with_suffix(".probe")
+    try:
+        with open(probe, "wb") as f:
+            f.write(cubin + bytes(1 << 16))  # more than was written: fails where the DSL's write stopped
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        what = f"{e.strerror}: the DSL's cubin was cut off at {len(cubin)} bytes"
+        raise OSError(e.errno, what, str(path)) from None
+    finally:
+        probe.unlink(missing_ok=True)
