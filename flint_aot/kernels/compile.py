@@ -40,12 +40,14 @@ class Compiled:
 
 
 class Kernel:
-    """A kernel kind's specialization: its compile-time configuration set once, in __init__(spec), from the
-    spec; `kernel` (a @cute.kernel method) is the flat parameter list the manifest records."""
+    """The public base class of every kernel kind, built-in or a plugin (`flint_aot.Kernel`, docs/plugins.md):
+    one specialization, its compile-time configuration set once, in __init__(spec), from the spec's values;
+    `kernel` (a @cute.kernel method) is the flat parameter list the manifest records by name."""
 
-    kind = ""
-    block: tuple = (128, 1, 1)
-    cluster: tuple = (1, 1, 1)
+    kind = ""  # a built-in kind's name (its grid rule, loader.abi.GRID); plugins leave it empty
+    block: tuple = (128, 1, 1)  # baked into the cubin (.reqntid): every launch uses exactly this block
+    cluster: tuple = (1, 1, 1)  # a launch attribute, recorded in the manifest
+    dyn_smem = 0  # dynamic shared memory the kernel may use (bytes): the loader allows launches up to it
     dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
 
@@ -53,11 +55,12 @@ class Kernel:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
         return {}
 
-    def compile(self, arch: str, entry_prefix: str) -> Compiled:
+    def compile(self, arch: str, entry_prefix: str, grid: tuple | None = None) -> Compiled:
+        """The cubin for arch; grid: the manifest's grid rule (default: the built-in kind's)."""
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
-                              dyn_smem_per_m=self.dyn_smem_per_m,
-                              min_ctas_per_sm=self.min_ctas_per_sm)  # fmt: skip
+                              dyn_smem=self.dyn_smem, dyn_smem_per_m=self.dyn_smem_per_m,
+                              min_ctas_per_sm=self.min_ctas_per_sm, grid=grid)  # fmt: skip
 
 
 def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
@@ -92,10 +95,10 @@ def _placeholders(params, ptr_types: dict):
 
 def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tuple, cluster=(1, 1, 1),
                    dyn_smem: int = 0, dyn_smem_per_m: int = 0, ptr_types: dict | None = None,
-                   min_ctas_per_sm: int = 0) -> Compiled:  # fmt: skip
+                   min_ctas_per_sm: int = 0, grid: tuple | None = None) -> Compiled:  # fmt: skip
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
     cubin as .reqntid), cluster and dynamic shared memory (launch attributes: dyn_smem + M x dyn_smem_per_m
-    bytes) and the kind's grid rule."""
+    bytes) and the grid rule (default: the kind's, loader.abi.GRID)."""
     kernel.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
     params = kernel_params(kernel, ptr_types)
     launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
@@ -121,8 +124,8 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     names = list(c.kernel_info)
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
-    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), GRID[kind], dyn_smem,
-                    dyn_smem_per_m)  # fmt: skip
+    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster),
+                    tuple(grid) if grid else GRID[kind], dyn_smem, dyn_smem_per_m)  # fmt: skip
 
 
 def _check_written(d: Path, cubin: bytes) -> None:
