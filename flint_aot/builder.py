@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from flint_aot import __version__, kernels
+from flint_aot import __version__, kernels, plugins
 from flint_aot.config import Specialization, expand, load_config
 from loader.elf import CubinError, check_cubin
 from loader.manifest import MANIFEST_NAME, KernelEntry, Manifest, Param, sha256_bytes
@@ -85,6 +85,7 @@ class Plan:
     cached: dict[str, Row]  # label -> row, for those the cache already holds
     pending: list[tuple[Specialization, str]]  # (spec, cache key) still to compile
     dsl: str
+    plugins: dict = field(default_factory=dict)  # kind -> what the manifest records of a plugin (its sources)
 
 
 class Stop:
@@ -145,6 +146,15 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def key_source(s: Specialization, src: str, records: dict) -> str:
+    """What a specialization's cache key says of its sources: flint-aot's kernel sources (src), and for a
+    plugin kind also its module, class and the hash of its module's sources (flint_aot.plugins)."""
+    if not s.plugin:
+        return src
+    return hashlib.sha256(json.dumps({"flint": src, "plugin": s.plugin, **records[s.kind]},
+                                     sort_keys=True).encode()).hexdigest()  # fmt: skip
 
 
 def build_key(s: Specialization, src: str, dsl: str) -> str:
@@ -320,9 +330,10 @@ def check_cache_dir(cache: Path) -> None:
 
 # ----------------------------------------------------------------------------- compile
 def _compile_command(s: Specialization, work: Path) -> list[str]:
+    plugin = [json.dumps({"module": s.plugin[0], "class": s.plugin[1]})] if s.plugin else []
     return [
         sys.executable, "-m", "flint_aot.compile_one",
-        s.kind, json.dumps(s.spec), s.arch, kernels.entry_prefix(s.name), str(work),
+        s.kind, json.dumps(s.spec), s.arch, kernels.entry_prefix(s.name), str(work), *plugin,
     ]  # fmt: skip
 
 
@@ -331,9 +342,10 @@ class _Compiler:
     which decides) and its own work folder under the cache's .work-PID-* (TMPDIR of the compile: the DSL's
     scratch files land there too, and are removed with it)."""
 
-    def __init__(self, work_root: Path, stop: Stop):
+    def __init__(self, work_root: Path, stop: Stop, plugin_path: str = ""):
         self.work_root = work_root
         self.stop = stop
+        self.plugin_path = plugin_path  # the config's folder: plugin modules are imported from it too
         self.lock = threading.Lock()
         self.running: set[subprocess.Popen] = set()
         self.closed = False  # set when the build ends early for any reason: start nothing more
@@ -350,6 +362,7 @@ class _Compiler:
         work = Path(tempfile.mkdtemp(prefix=f"{s.name}.{s.arch}.", dir=self.work_root))
         try:
             env = dict(os.environ, TMPDIR=str(work), FLINT_AOT_BUILDER_PID=str(os.getpid()))
+            env[plugins.PATH_ENV] = self.plugin_path
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
             with self.lock:
                 if self._stopped:
@@ -457,10 +470,11 @@ def prepare(
     if not todo:
         raise BuildError(f"{config_path}: none of the requested kernels is implemented in this version")
     src, dsl = kernels.source_hash(), dsl_version()
+    records = plugins.check(config, config_path) if "plugins" in config else {}  # imports, in a subprocess
     cached: dict[str, Row] = {}
     pending = []
     for s in todo:
-        key = build_key(s, src, dsl)
+        key = build_key(s, key_source(s, src, records), dsl)
         hit = _cache_get(cache, key)
         entry = None
         if hit is not None:
@@ -473,7 +487,7 @@ def prepare(
         else:
             pending.append((s, key))
     skipped = [s for s in specs if not kernels.implemented(s.kind, s.spec)]
-    return Plan(Path(config_path), config, out, cache, todo, skipped, cached, pending, dsl)
+    return Plan(Path(config_path), config, out, cache, todo, skipped, cached, pending, dsl, records)
 
 
 def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) -> BuildResult:
@@ -490,7 +504,7 @@ def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) 
     if plan.pending:
         plan.cache.mkdir(parents=True, exist_ok=True)
         work_root = Path(tempfile.mkdtemp(prefix=f".work-{os.getpid()}-", dir=plan.cache))
-        compiler = _Compiler(work_root, stop)
+        compiler = _Compiler(work_root, stop, plugins.search_path(plan.config_path))
         events: queue.SimpleQueue = queue.SimpleQueue()
         stop._attach(events)
         pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="flint-aot-compile")
@@ -535,6 +549,7 @@ def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) 
         dsl_version=plan.dsl,
         config=plan.config,
         kernels=[r.entry for r in result.rows],
+        plugins=plan.plugins,
     )
     if not _write_bundle(plan.out, manifest, {r.entry.file: r.cubin for r in result.rows}, stop):
         raise _interrupted(plan, stop, rows)

@@ -130,6 +130,10 @@ def list_(bundle):
         for k in m.kernels
     ]  # fmt: skip
     click.echo(_table(["kernel", "arch", "entry", "block", "cluster", "regs", "bytes", "sha256"], rows))
+    for kind, p in sorted(m.plugins.items()):
+        click.echo(f"plugin {kind}: {p.get('module')}.{p.get('class')}, sources sha256 "
+                   f"{str(p.get('source_sha256'))[:12]} ({', '.join(p.get('files', []))}), "
+                   f"version {p.get('version') or '-'}")  # fmt: skip
 
 
 def _against_config(b) -> dict[str, list[str]]:
@@ -155,6 +159,10 @@ def _against_config(b) -> dict[str, list[str]]:
         e, s = have[label], expected[label]
         if (e.kind, e.spec) != (s.kind, s.spec):
             out[label] = [f"kind/spec {e.kind} {e.spec} != the config's {s.kind} {s.spec}"]
+    for kind, p in b.manifest.config.get("plugins", {}).items():  # what each plugin was built from
+        rec = b.manifest.plugins.get(kind, {})
+        if rec.get("module") != p.get("module") or not rec.get("source_sha256"):
+            out[f"plugin {kind}"] = ["the manifest does not record the plugin's module and source hash"]
     return out
 
 

@@ -1,7 +1,9 @@
 """Compile one specialization; run as its own process by the builder (a DSL crash kills only it).
 
-    python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR
+    python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR [PLUGIN_JSON]
 
+PLUGIN_JSON ({"module": ..., "class": ...}) names a plugin kind's kernel class, imported with
+$FLINT_AOT_PLUGIN_PATH appended to sys.path; its grid rule is the caller's (loader.abi.CALLER_GRID).
 Writes OUT_DIR/kernel.cubin, OUT_DIR/kernel.ptx and OUT_DIR/meta.json. Started by the builder in its own
 session; dies with the builder (PR_SET_PDEATHSIG), so a killed build leaves no compile running.
 """
@@ -52,16 +54,26 @@ def _refused(e: OSError, path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    kind, spec_json, arch, prefix, out = argv
+    kind, spec_json, arch, prefix, out, *plugin = argv
     _die_with_builder()
     # Never let the DSL guess the target from a (missing) GPU: the arch is always explicit.
     os.environ["CUTE_DSL_ARCH"] = arch
-    from flint_aot.kernels import kernel_class
+    grid = None
+    if plugin:
+        import importlib
 
-    cls = kernel_class(kind)
+        from loader.abi import CALLER_GRID
+
+        p, grid = json.loads(plugin[0]), CALLER_GRID
+        sys.path.append(os.environ.get("FLINT_AOT_PLUGIN_PATH", "."))
+        cls = getattr(importlib.import_module(p["module"]), p["class"])
+    else:
+        from flint_aot.kernels import kernel_class
+
+        cls = kernel_class(kind)
     t0 = time.perf_counter()
     try:
-        c = cls(json.loads(spec_json)).compile(arch, prefix)
+        c = cls(json.loads(spec_json)).compile(arch, prefix, grid)
     except OSError as e:  # a file the compile writes (the DSL's cubin in TMPDIR) could not be written
         _refused(e, e.filename or "a file in " + out)
     secs = time.perf_counter() - t0

@@ -30,7 +30,8 @@ KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
 NORM_MODES = ("separate", "prologue")  # qkv: input norm in its own kernel, or in the qkv kernel's prologue
 
 # Grid rules name these symbols; the loader supplies their values at launch.
-GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS")
+CALLER_GRID = ("GRID_X", "GRID_Y", "GRID_Z")  # a plugin kernel's rule: the caller gives the grid
+GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS", *CALLER_GRID)
 GRID = {
     "norm": ("M", 1, 1),  # one CTA per token
     "qkv": ("ROW_BLOCKS", 1, 1),  # one CTA per 16 weight rows, clusters of CLUSTER
