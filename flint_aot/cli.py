@@ -51,8 +51,10 @@ def _progress_reporter(total: int, stack: contextlib.ExitStack):
     help="Parallel compiles  [default: the number of usable CPU cores]",
 )  # fmt: skip
 @click.option(
-    "--cache-dir", default=None, help="Compile cache [default: $FLINT_AOT_CACHE or ~/.cache/flint-aot]."
-)
+    "--cache-dir", default=None,
+    help="Compile cache [default: $FLINT_AOT_CACHE, else $XDG_CACHE_HOME/flint-aot, else "
+    "~/.cache/flint-aot].",
+)  # fmt: skip
 def build(config, out, jobs, cache_dir):
     """Compile every specialization of CONFIG into a bundle (cubins + manifest.json).
 
