@@ -11,9 +11,11 @@ from tests.conftest import ROOT, needs_dsl
 
 
 def test_loader_imports_neither_dsl_nor_builder():
+    """Nor a plugin's kernel module (tests/test_plugins_cpu.py launches one through the example's op)."""
     code = (
-        "import sys, loader, loader.ops, loader.runtime, loader.bundle\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'flint_aot'))\n"
+        "import sys, loader, loader.ops, loader.runtime, loader.bundle, loader.kernels\n"
+        "loader.launch_kernel\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('cutlass', 'flint_aot', 'silu_mul'))\n"
         "assert not bad, bad\n"
         "print('clean')"
     )
