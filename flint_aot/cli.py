@@ -220,7 +220,7 @@ def doctor(bundle, tokens):
     from loader.doctor import MS, report, run  # the same code as `python -m loader.doctor`
 
     try:
-        results = run(bundle, ms=tokens or MS)
+        results = run(bundle, ms=tokens or MS, prog="flint-aot doctor")
     except Exception as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
     click.echo(report(results))

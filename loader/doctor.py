@@ -162,14 +162,24 @@ def _runs_at(e, m: int) -> bool:
     return "max_m" not in e.spec or abi.m_tiles(m)[0] == e.spec["max_m"]
 
 
-def run(bundle_path=None, ms=MS, seed: int = 0) -> list[Result]:
+def no_gpu(prog: str) -> str:
+    """Why `prog` cannot run here: what torch says of CUDA, and the fix."""
+    cuda, available = torch.version.cuda, torch.cuda.is_available()
+    build = f"built for CUDA {cuda}" if cuda else "a CPU-only build (torch.version.cuda is None)"
+    fix = ("no GPU is visible to it: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES" if cuda else
+           "run it on the GPU machine, with a CUDA build of torch")  # fmt: skip
+    return (f"{prog} needs a CUDA GPU; found torch {torch.__version__}, {build}, and "
+            f"torch.cuda.is_available() = {available}: {fix}")  # fmt: skip
+
+
+def run(bundle_path=None, ms=MS, seed: int = 0, prog: str = "python -m loader.doctor") -> list[Result]:
     """One call per variant of the bundle for this GPU's architecture and M of ms that runs it (the 8-token
-    kernels at M = 1 and 8, the 16-token ones at M = 16 by default)."""
+    kernels at M = 1 and 8, the 16-token ones at M = 16 by default). prog: the command, for the messages."""
     import loader
     from loader import runtime
 
     if not torch.cuda.is_available():
-        raise RuntimeError("flint-aot doctor needs a CUDA GPU")
+        raise RuntimeError(no_gpu(prog))
     b = loader.load_bundle(bundle_path)
     arch = runtime.arch_for(torch.cuda.get_device_capability())
     entries = [e for e in b.manifest.kernels if e.arch == arch]

@@ -6,8 +6,9 @@ import sys
 import threading
 
 import pytest
+from click.testing import CliRunner
 
-from tests.conftest import ROOT, needs_dsl
+from tests.conftest import HAS_GPU, ROOT, needs_dsl
 
 
 def test_loader_imports_neither_dsl_nor_builder():
@@ -21,6 +22,24 @@ def test_loader_imports_neither_dsl_nor_builder():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "clean" in r.stdout, r.stderr
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the doctor runs on this machine's GPU")
+def test_doctor_without_a_gpu_names_the_command_and_what_it_found():
+    """One line on stderr, exit status 1: the command that was run, torch's version and CUDA build, and
+    torch.cuda.is_available(), with the fix; `flint-aot doctor` names itself the same way."""
+    import torch
+
+    from flint_aot.cli import main
+
+    r = subprocess.run([sys.executable, "-m", "loader.doctor"], cwd=ROOT, capture_output=True, text=True)
+    (line,) = r.stderr.strip().splitlines()[-1:]
+    assert r.returncode == 1, r.stderr
+    assert line.startswith("error: RuntimeError: python -m loader.doctor needs a CUDA GPU; found torch"), line
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    assert f"found torch {torch.__version__}, {build}" in line and "torch.cuda.is_available() = False" in line
+    r = CliRunner().invoke(main, ["doctor"])
+    assert r.exit_code == 1 and "flint-aot doctor needs a CUDA GPU; found torch" in r.output, r.output
 
 
 def test_missing_bundle_message(tmp_path):
