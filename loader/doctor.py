@@ -3,7 +3,8 @@ on this GPU, on random inputs, against the float64 torch reference; exit status 
 
     python -m loader.doctor [BUNDLE] [-m M ...]    (`flint-aot doctor` runs the same code)
 
-Needs torch, cuda-bindings and a GPU; not the DSL, not the build package.
+Needs torch, cuda-bindings and a GPU; not the DSL, not the build package. A plugin kernel (docs/plugins.md),
+for which it knows no reference, is verified and loaded but not run.
 """
 
 from __future__ import annotations
@@ -190,8 +191,12 @@ def run(bundle_path=None, ms=MS, seed: int = 0, prog: str = "python -m loader.do
     out = []
     for e in entries:
         check = CHECKS.get(e.kind)
-        if check is None:
-            out.append(Result(e.name, float("nan"), False, 0.0, f"unknown kernel kind {e.kind!r}"))
+        if check is None:  # a plugin kernel (docs/plugins.md): no reference here; its cubin checked, loaded
+            try:
+                runtime.launcher(torch.cuda.current_device(), e.kind, ("doctor", e.name), lambda e=e: e.spec)
+                out.append(Result(e.name, float("nan"), True, 0.0, "plugin kernel: loaded, not run"))
+            except Exception as ex:  # a bad cubin: reported like a failed variant
+                out.append(Result(e.name, float("nan"), False, 0.0, f"{type(ex).__name__}: {ex}"[:200]))
             continue
         for m in [m for m in ms if _runs_at(e, m)]:
             name = f"{e.name} M={m}"
