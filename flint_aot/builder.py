@@ -454,10 +454,14 @@ def _install(staging: Path, out: Path) -> None:
 
 # ----------------------------------------------------------------------------- build
 def prepare(
-    config_path: str | os.PathLike, out: str | os.PathLike, cache_dir: str | os.PathLike | None = None
+    config_path: str | os.PathLike,
+    out: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    stop: Stop | None = None,
 ) -> Plan:
-    """Validate the config and the output and cache paths, and look up the cache. Compiles nothing, writes
-    nothing; every error here is a one-line BuildError/ConfigError."""
+    """Validate the config and the output and cache paths, check the plugins' modules (a subprocess), and look
+    up the cache. Compiles nothing, writes nothing; every error here is a one-line BuildError/ConfigError;
+    BuildInterrupted when `stop` is requested during the plugins' check."""
     config = load_config(config_path)
     out = Path(out).absolute()
     if out.is_symlink():
@@ -470,7 +474,11 @@ def prepare(
     if not todo:
         raise BuildError(f"{config_path}: none of the requested kernels is implemented in this version")
     src, dsl = kernels.source_hash(), dsl_version()
-    records = plugins.check(config, config_path) if "plugins" in config else {}  # imports, in a subprocess
+    records = plugins.check(config, config_path, stop) if "plugins" in config else {}  # (a subprocess)
+    if records is None:
+        name = signal.Signals(stop.signum).name
+        raise BuildInterrupted(stop.signum, f"interrupted ({name}) while checking the plugin modules: "
+                               f"nothing compiled; {out} untouched")  # fmt: skip
     cached: dict[str, Row] = {}
     pending = []
     for s in todo:

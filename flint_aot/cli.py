@@ -67,7 +67,7 @@ def build(config, out, jobs, cache_dir):
     stop = Stop()
     with stop.on_signals(signal.SIGINT, signal.SIGTERM), contextlib.ExitStack() as stack:
         try:
-            plan = prepare(config, out, cache_dir)
+            plan = prepare(config, out, cache_dir, stop)
             jobs = jobs or usable_cores()
             progress = None
             if plan.pending:

@@ -17,12 +17,15 @@ the module's file alone when it is a top-level module, each with its path relati
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -38,9 +41,10 @@ def search_path(config_path) -> str:
     return str(Path(config_path).absolute().parent)
 
 
-def check(config: dict, config_path) -> dict[str, dict]:
+def check(config: dict, config_path, stop=None) -> dict[str, dict] | None:
     """{kind: record} of the config's plugins (module, class, source_sha256, files, version), or a one-line
-    ConfigError. Starts one process; nothing is compiled or written."""
+    ConfigError. Starts one process; nothing is compiled or written. None when `stop` (a builder.Stop) is
+    requested meanwhile: the process is killed."""
     specs = {}
     for s in expand(config):
         if s.plugin and s.spec not in specs.setdefault(s.kind, []):
@@ -51,13 +55,25 @@ def check(config: dict, config_path) -> dict[str, dict]:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env.setdefault("CUTE_DSL_ARCH", config["archs"][0])  # (the DSL never asks a GPU)
-    try:
-        r = subprocess.run([sys.executable, "-m", "flint_aot.plugins", json.dumps(job)], env=env,
-                           stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace",
-                           timeout=CHECK_TIMEOUT_S, start_new_session=True)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise ConfigError(f"{config_path}: plugins: importing the plugin modules took over {CHECK_TIMEOUT_S} "
-                          "s; make importing them cheap (no work at import time)") from None  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-m", "flint_aot.plugins", json.dumps(job)], env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         errors="replace", start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + CHECK_TIMEOUT_S
+    while True:
+        try:
+            stdout, stderr = p.communicate(timeout=0.2)
+            break
+        except subprocess.TimeoutExpired:
+            if (stop is not None and stop.requested) or time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+                if stop is not None and stop.requested:
+                    return None
+                raise ConfigError(f"{config_path}: plugins: importing the plugin modules took over "
+                                  f"{CHECK_TIMEOUT_S} s; make importing them cheap (no work at import "
+                                  "time)") from None  # fmt: skip
+    r = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     found = [ln[len(_MARK) :] for ln in r.stdout.splitlines() if ln.startswith(_MARK)]
     if not found:
         how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}"

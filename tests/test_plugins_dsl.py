@@ -206,3 +206,43 @@ def test_a_plugin_misuse_is_one_line_before_anything_compiles(tmp_path, plugin, 
     assert len(lines) == 1 and lines[0].startswith(f"Error: {cfg}: {where}: "), r.output
     assert says in lines[0], lines[0]
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+def test_an_interrupt_during_the_plugin_check_stops_the_build_at_once(tmp_path):
+    """SIGINT while the plugins' modules are being imported (here one that takes a minute) kills the check
+    process and stops the build with status 130 within seconds: one line, nothing compiled or written."""
+    import os
+    import signal
+    import time
+
+    (tmp_path / "slow.py").write_text(
+        "import os, pathlib, time\n"
+        f"pathlib.Path({str(tmp_path / 'pid')!r}).write_text(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    cfg = tmp_path / "cfg.yaml"
+    plugins = {"act": {"module": "slow"}}
+    cfg.write_text(json.dumps({"archs": ["sm_90a"], "norm": {"residual": [True]}, "plugins": plugins}))
+    cmd = [sys.executable, "-m", "flint_aot.cli", "build", str(cfg), "-o", str(tmp_path / "out"),
+           "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    p = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pid").exists():
+            assert p.poll() is None and time.monotonic() < deadline, "the check did not start"
+            time.sleep(0.05)
+        child = int((tmp_path / "pid").read_text())
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out = p.communicate(timeout=30)[0]
+    finally:
+        if p.poll() is None:  # (a failure above: this test's build is not left running)
+            p.kill()
+            p.communicate()
+    assert p.returncode == 130 and time.monotonic() - t0 < 5, (p.returncode, out)
+    assert out.strip().splitlines() == [f"interrupted (SIGINT) while checking the plugin modules: nothing "
+                                        f"compiled; {tmp_path / 'out'} untouched"], out  # fmt: skip
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
