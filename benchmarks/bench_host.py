@@ -1,7 +1,8 @@
 """Host cost of eager calls: microseconds of CPU time per call, back-to-back, beside torch ops measured in the
 same run (BENCHMARKS.md "Host cost per call").
 
-    PYTHONPATH=. python3 benchmarks/bench_host.py [--bundle build/flint] [--calls 3000] [--out host.md]
+    PYTHONPATH=. python3 benchmarks/bench_host.py [--bundle build/flint] [--plus-bundle build/flint_plus]
+                                                  [--plugin-only] [--calls 3000] [--out host.md]
 
 Each row: best of 7 loops of --calls back-to-back calls (synchronized before and after each loop), divided by
 the number of calls. The calls are host-bound (their GPU work is a few µs), so this is the time the Python
@@ -9,13 +10,17 @@ path costs. The first call of the process (cubin loads) is reported apart. The f
 design the loader picks for eager calls (the prologue design when the bundle has it) and with the two-kernel
 design (launch_options(design="separate"), the one it picks inside CUDA-graph capture), through torch.ops
 (keywords, positional) beside a no-op custom op of the same schema (the dispatcher's own cost), and under
-torch.inference_mode.
+torch.inference_mode. Last, loader.launch_kernel (a kernel by name, docs/plugins.md) with the example plugin
+kernel (examples/custom_kernel: SiLU-and-mul, I = 6144) from --plus-bundle (built from
+examples/custom_kernel/flint_plus.yaml), beside loader.rms_norm of that bundle and the same math in eager
+torch; "skipped" when no bundle has the kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -143,9 +148,50 @@ def no_cliffs(g, calls: int) -> list:
              best[k]) for k, (_fn, base) in runs.items()]  # fmt: skip
 
 
+def plugin_rows(plus: str, calls: int) -> list:
+    """Host cost of loader.launch_kernel with the example plugin kernel, at M = 1, 16 and 64: launched
+    directly (the grid computed once), through the example's function (its extent checks, a new output
+    each call) and its torch.library custom op; beside loader.rms_norm of the same bundle and the math in
+    eager torch. Loads --plus-bundle unless the current bundle has the kernel."""
+    name = "loader.launch_kernel: silu_mul (examples/custom_kernel)"
+    if not any(e.kind == "silu_mul" for e in loader.current_bundle().manifest.kernels):
+        if not (Path(plus) / "manifest.json").is_file():
+            why = f"skipped: no bundle with it ({plus}: build examples/custom_kernel/flint_plus.yaml)"
+            return [(name, why, float("nan"))]
+        loader.load_bundle(plus)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "custom_kernel"))
+    import silu_mul_op
+    from silu_mul.abi import grid
+
+    i, rows, launch = 6144, [], loader.launch_kernel
+    w = torch.randn(K, device="cuda").bfloat16()
+    for m in (1, 16, 64):
+        x = torch.randn(m, 2 * i, device="cuda").bfloat16()
+        out, g, spec = torch.empty(m, i, device="cuda", dtype=torch.bfloat16), grid(m, i), {"intermediate": i}
+        rows.append((f"loader.launch_kernel silu_mul M={m}", "plugin",
+                     per_call(lambda: launch("silu_mul", spec, g, x=x, out=out, m=m), calls)))  # fmt: skip
+        rows.append((f"examples silu_mul_op.silu_mul(x) M={m}", "plugin",
+                     per_call(lambda: silu_mul_op.silu_mul(x), calls)))  # fmt: skip
+        rows.append((f"torch.ops.flint_example.silu_mul M={m}", "plugin",
+                     per_call(lambda: torch.ops.flint_example.silu_mul(x), calls)))  # fmt: skip
+        rows.append((f"silu(gate) * up in eager torch M={m}", "",
+                     per_call(lambda: torch.nn.functional.silu(x[:, :i]) * x[:, i:], calls)))  # fmt: skip
+        if m <= 16:
+            xr = torch.randn(m, K, device="cuda").bfloat16()
+            rows.append((f"loader.rms_norm M={m} (same bundle)", "",
+                         per_call(lambda: loader.rms_norm(xr, w, 1e-6), calls)))  # fmt: skip
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default=os.environ.get("FLINT_AOT_BUNDLE", "build/flint"))
+    ap.add_argument(
+        "--plus-bundle",
+        default=os.environ.get("FLINT_PLUS_BUNDLE", "build/flint_plus"),
+        help="a bundle with the example plugin kernel (examples/custom_kernel/flint_plus.yaml)",
+    )
+    ap.add_argument("--plugin-only", action="store_true", help="only the plugin kernel's rows")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
     a = ap.parse_args()
@@ -153,7 +199,9 @@ def main():
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[2]})  # one core: steadier numbers
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    loader.load_bundle(a.bundle)
+    loader.load_bundle(a.plus_bundle if a.plugin_only else a.bundle)
+    if a.plugin_only:
+        return _report(plugin_rows(a.plus_bundle, a.calls), a.out)
     designs = {e.spec.get("norm") for e in loader.current_bundle().manifest.kernels if e.kind == "qkv"}
     eager_design = "prologue" if "prologue" in designs else "separate"  # the loader's eager default
     floor = _same_schema_noop()
@@ -233,13 +281,18 @@ def main():
                 rows.append((f"torch.ops.flint.qk_norm_rope_cache M={m} cache {kv}", "",
                              per_call(lambda: torch.ops.flint.qk_norm_rope_cache(qkv, **qa),
                                       a.calls)))  # fmt: skip
+    rows += plugin_rows(a.plus_bundle, a.calls)  # (last: it may load another bundle)
+    print(f"\nfirst call of the process (cubin load included): {first:.0f} µs\n")
+    _report(rows, a.out)
+
+
+def _report(rows: list, out: str | None) -> None:
     lines = ["| call | design (or: against the fast path) | host µs per call |", "|---|---|---|"]
     lines += [f"| `{name}` | {design} | {us:.1f} |" for name, design, us in rows]
     table = "\n".join(lines)
-    print(f"\nfirst call of the process (cubin load included): {first:.0f} µs\n")
     print(table)
-    if a.out:
-        Path(a.out).write_text(table + "\n")
+    if out:
+        Path(out).write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from flint_aot import __version__, kernels
+from flint_aot import __version__, kernels, plugins
 from flint_aot.config import Specialization, expand, load_config
 from loader.elf import CubinError, check_cubin
 from loader.manifest import MANIFEST_NAME, KernelEntry, Manifest, Param, sha256_bytes
@@ -85,6 +85,7 @@ class Plan:
     cached: dict[str, Row]  # label -> row, for those the cache already holds
     pending: list[tuple[Specialization, str]]  # (spec, cache key) still to compile
     dsl: str
+    plugins: dict = field(default_factory=dict)  # kind -> what the manifest records of a plugin (its sources)
 
 
 class Stop:
@@ -145,6 +146,15 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
+
+
+def key_source(s: Specialization, src: str, records: dict) -> str:
+    """What a specialization's cache key says of its sources: flint-aot's kernel sources (src), and for a
+    plugin kind also its module, class and the hash of its module's sources (flint_aot.plugins)."""
+    if not s.plugin:
+        return src
+    return hashlib.sha256(json.dumps({"flint": src, "plugin": s.plugin, **records[s.kind]},
+                                     sort_keys=True).encode()).hexdigest()  # fmt: skip
 
 
 def build_key(s: Specialization, src: str, dsl: str) -> str:
@@ -223,8 +233,14 @@ def _cache_put(cache: Path, key: str, cubin: bytes, meta: dict) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=cache))
     try:
-        (tmp / "kernel.cubin").write_bytes(cubin)
-        (tmp / "meta.json").write_text(json.dumps(dict(meta, sha256=sha256_bytes(cubin)), sort_keys=True))
+        f = tmp / "kernel.cubin"
+        try:
+            f.write_bytes(cubin)
+            f = tmp / "meta.json"
+            f.write_text(json.dumps(dict(meta, sha256=sha256_bytes(cubin)), sort_keys=True))
+        except OSError as e:
+            raise BuildError(f"cache {f}: cannot write ({e.strerror}); free space there or choose another "
+                             "--cache-dir") from None  # fmt: skip
         try:
             os.rename(tmp, cache / key)
         except OSError:
@@ -314,9 +330,10 @@ def check_cache_dir(cache: Path) -> None:
 
 # ----------------------------------------------------------------------------- compile
 def _compile_command(s: Specialization, work: Path) -> list[str]:
+    plugin = [json.dumps({"module": s.plugin[0], "class": s.plugin[1]})] if s.plugin else []
     return [
         sys.executable, "-m", "flint_aot.compile_one",
-        s.kind, json.dumps(s.spec), s.arch, kernels.entry_prefix(s.name), str(work),
+        s.kind, json.dumps(s.spec), s.arch, kernels.entry_prefix(s.name), str(work), *plugin,
     ]  # fmt: skip
 
 
@@ -325,9 +342,10 @@ class _Compiler:
     which decides) and its own work folder under the cache's .work-PID-* (TMPDIR of the compile: the DSL's
     scratch files land there too, and are removed with it)."""
 
-    def __init__(self, work_root: Path, stop: Stop):
+    def __init__(self, work_root: Path, stop: Stop, plugin_path: str = ""):
         self.work_root = work_root
         self.stop = stop
+        self.plugin_path = plugin_path  # the config's folder: plugin modules are imported from it too
         self.lock = threading.Lock()
         self.running: set[subprocess.Popen] = set()
         self.closed = False  # set when the build ends early for any reason: start nothing more
@@ -344,6 +362,7 @@ class _Compiler:
         work = Path(tempfile.mkdtemp(prefix=f"{s.name}.{s.arch}.", dir=self.work_root))
         try:
             env = dict(os.environ, TMPDIR=str(work), FLINT_AOT_BUILDER_PID=str(os.getpid()))
+            env[plugins.PATH_ENV] = self.plugin_path
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
             with self.lock:
                 if self._stopped:
@@ -435,10 +454,14 @@ def _install(staging: Path, out: Path) -> None:
 
 # ----------------------------------------------------------------------------- build
 def prepare(
-    config_path: str | os.PathLike, out: str | os.PathLike, cache_dir: str | os.PathLike | None = None
+    config_path: str | os.PathLike,
+    out: str | os.PathLike,
+    cache_dir: str | os.PathLike | None = None,
+    stop: Stop | None = None,
 ) -> Plan:
-    """Validate the config and the output and cache paths, and look up the cache. Compiles nothing, writes
-    nothing; every error here is a one-line BuildError/ConfigError."""
+    """Validate the config and the output and cache paths, check the plugins' modules (a subprocess), and look
+    up the cache. Compiles nothing, writes nothing; every error here is a one-line BuildError/ConfigError;
+    BuildInterrupted when `stop` is requested during the plugins' check."""
     config = load_config(config_path)
     out = Path(out).absolute()
     if out.is_symlink():
@@ -451,10 +474,15 @@ def prepare(
     if not todo:
         raise BuildError(f"{config_path}: none of the requested kernels is implemented in this version")
     src, dsl = kernels.source_hash(), dsl_version()
+    records = plugins.check(config, config_path, stop) if "plugins" in config else {}  # (a subprocess)
+    if records is None:
+        name = signal.Signals(stop.signum).name
+        raise BuildInterrupted(stop.signum, f"interrupted ({name}) while checking the plugin modules: "
+                               f"nothing compiled; {out} untouched")  # fmt: skip
     cached: dict[str, Row] = {}
     pending = []
     for s in todo:
-        key = build_key(s, src, dsl)
+        key = build_key(s, key_source(s, src, records), dsl)
         hit = _cache_get(cache, key)
         entry = None
         if hit is not None:
@@ -467,7 +495,7 @@ def prepare(
         else:
             pending.append((s, key))
     skipped = [s for s in specs if not kernels.implemented(s.kind, s.spec)]
-    return Plan(Path(config_path), config, out, cache, todo, skipped, cached, pending, dsl)
+    return Plan(Path(config_path), config, out, cache, todo, skipped, cached, pending, dsl, records)
 
 
 def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) -> BuildResult:
@@ -484,7 +512,7 @@ def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) 
     if plan.pending:
         plan.cache.mkdir(parents=True, exist_ok=True)
         work_root = Path(tempfile.mkdtemp(prefix=f".work-{os.getpid()}-", dir=plan.cache))
-        compiler = _Compiler(work_root, stop)
+        compiler = _Compiler(work_root, stop, plugins.search_path(plan.config_path))
         events: queue.SimpleQueue = queue.SimpleQueue()
         stop._attach(events)
         pool = ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="flint-aot-compile")
@@ -529,6 +557,7 @@ def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) 
         dsl_version=plan.dsl,
         config=plan.config,
         kernels=[r.entry for r in result.rows],
+        plugins=plan.plugins,
     )
     if not _write_bundle(plan.out, manifest, {r.entry.file: r.cubin for r in result.rows}, stop):
         raise _interrupted(plan, stop, rows)
@@ -591,16 +620,14 @@ def _write_bundle(out: Path, manifest: Manifest, files: dict[str, bytes], stop: 
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise BuildError(f"output {out}: cannot write beside it ({e.strerror}); choose another -o") from None
+    name = ""
     try:
-        for name, data in sorted(files.items()):
-            with open(staging / name, "wb") as f:
+        for name, data in [*sorted(files.items()), (MANIFEST_NAME, manifest.dumps().encode())]:
+            with open(staging / name, "wb") as f:  # the manifest last: it marks the bundle complete
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        with open(staging / MANIFEST_NAME, "w", encoding="utf-8") as f:  # last: marks the bundle complete
-            f.write(manifest.dumps())
-            f.flush()
-            os.fsync(f.fileno())
+        name = ""
         os.chmod(staging, 0o755)
         _fsync_dir(staging)
         if stop.requested:  # the last moment to stop: after this the new bundle is in place
@@ -611,9 +638,9 @@ def _write_bundle(out: Path, manifest: Manifest, files: dict[str, bytes], stop: 
         hint = (
             " (a mount point cannot be renamed: use a directory inside it)" if e.errno == errno.EBUSY else ""
         )
-        raise BuildError(
-            f"output {out}: cannot install the bundle ({e.strerror}){hint}; choose another -o"
-        ) from None
+        what = f"cannot write {name} ({e.strerror}): free space there or" if name else (
+            f"cannot install the bundle ({e.strerror}){hint};")  # fmt: skip
+        raise BuildError(f"output {out}: {what} choose another -o") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -51,8 +51,10 @@ def _progress_reporter(total: int, stack: contextlib.ExitStack):
     help="Parallel compiles  [default: the number of usable CPU cores]",
 )  # fmt: skip
 @click.option(
-    "--cache-dir", default=None, help="Compile cache [default: $FLINT_AOT_CACHE or ~/.cache/flint-aot]."
-)
+    "--cache-dir", default=None,
+    help="Compile cache [default: $FLINT_AOT_CACHE, else $XDG_CACHE_HOME/flint-aot, else "
+    "~/.cache/flint-aot].",
+)  # fmt: skip
 def build(config, out, jobs, cache_dir):
     """Compile every specialization of CONFIG into a bundle (cubins + manifest.json).
 
@@ -65,7 +67,7 @@ def build(config, out, jobs, cache_dir):
     stop = Stop()
     with stop.on_signals(signal.SIGINT, signal.SIGTERM), contextlib.ExitStack() as stack:
         try:
-            plan = prepare(config, out, cache_dir)
+            plan = prepare(config, out, cache_dir, stop)
             jobs = jobs or usable_cores()
             progress = None
             if plan.pending:
@@ -130,6 +132,10 @@ def list_(bundle):
         for k in m.kernels
     ]  # fmt: skip
     click.echo(_table(["kernel", "arch", "entry", "block", "cluster", "regs", "bytes", "sha256"], rows))
+    for kind, p in sorted(m.plugins.items()):
+        click.echo(f"plugin {kind}: {p.get('module')}.{p.get('class')}, sources sha256 "
+                   f"{str(p.get('source_sha256'))[:12]} ({', '.join(p.get('files', []))}), "
+                   f"version {p.get('version') or '-'}")  # fmt: skip
 
 
 def _against_config(b) -> dict[str, list[str]]:
@@ -155,6 +161,10 @@ def _against_config(b) -> dict[str, list[str]]:
         e, s = have[label], expected[label]
         if (e.kind, e.spec) != (s.kind, s.spec):
             out[label] = [f"kind/spec {e.kind} {e.spec} != the config's {s.kind} {s.spec}"]
+    for kind, p in b.manifest.config.get("plugins", {}).items():  # what each plugin was built from
+        rec = b.manifest.plugins.get(kind, {})
+        if rec.get("module") != p.get("module") or not rec.get("source_sha256"):
+            out[f"plugin {kind}"] = ["the manifest does not record the plugin's module and source hash"]
     return out
 
 
@@ -211,7 +221,7 @@ def doctor(bundle, tokens):
     from loader.doctor import MS, report, run  # the same code as `python -m loader.doctor`
 
     try:
-        results = run(bundle, ms=tokens or MS)
+        results = run(bundle, ms=tokens or MS, prog="flint-aot doctor")
     except Exception as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
     click.echo(report(results))

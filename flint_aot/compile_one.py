@@ -1,7 +1,9 @@
 """Compile one specialization; run as its own process by the builder (a DSL crash kills only it).
 
-    python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR
+    python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR [PLUGIN_JSON]
 
+PLUGIN_JSON ({"module": ..., "class": ...}) names a plugin kind's kernel class, imported with
+$FLINT_AOT_PLUGIN_PATH appended to sys.path; its grid rule is the caller's (loader.abi.CALLER_GRID).
 Writes OUT_DIR/kernel.cubin, OUT_DIR/kernel.ptx and OUT_DIR/meta.json. Started by the builder in its own
 session; dies with the builder (PR_SET_PDEATHSIG), so a killed build leaves no compile running.
 """
@@ -9,6 +11,7 @@ session; dies with the builder (PR_SET_PDEATHSIG), so a killed build leaves no c
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import signal
@@ -31,21 +34,51 @@ def _die_with_builder() -> None:
         os._exit(1)
 
 
+def _write(path: str, data) -> None:
+    """Write a file whole; a failed write (a full disk, a file size limit) exits naming the OS error and the
+    file, not as the truncated cubin it would leave for the builder to read."""
+    try:
+        with open(path, "wb" if isinstance(data, bytes) else "w", **({} if isinstance(data, bytes) else
+                                                                    {"encoding": "utf-8"})) as f:  # fmt: skip
+            f.write(data)
+    except OSError as e:
+        _refused(e, path)
+
+
+def _refused(e: OSError, path: str) -> None:
+    """Exit naming the OS error and the file (one line: the builder shows it under the specialization)."""
+    what = errno.errorcode.get(e.errno, e.errno)
+    sys.stderr.write(f"cannot write {path}: {e.strerror or e} ({what}); free space there or raise the file "
+                     "size limit (ulimit -f), then build again\n")  # fmt: skip
+    sys.exit(3)
+
+
 def main(argv: list[str]) -> int:
-    kind, spec_json, arch, prefix, out = argv
+    kind, spec_json, arch, prefix, out, *plugin = argv
     _die_with_builder()
     # Never let the DSL guess the target from a (missing) GPU: the arch is always explicit.
     os.environ["CUTE_DSL_ARCH"] = arch
-    from flint_aot.kernels import kernel_class
+    grid = None
+    if plugin:
+        import importlib
 
-    cls = kernel_class(kind)
+        from loader.abi import CALLER_GRID
+
+        p, grid = json.loads(plugin[0]), CALLER_GRID
+        sys.path.append(os.environ.get("FLINT_AOT_PLUGIN_PATH", "."))
+        cls = getattr(importlib.import_module(p["module"]), p["class"])
+    else:
+        from flint_aot.kernels import kernel_class
+
+        cls = kernel_class(kind)
     t0 = time.perf_counter()
-    c = cls(json.loads(spec_json)).compile(arch, prefix)
+    try:
+        c = cls(json.loads(spec_json)).compile(arch, prefix, grid)
+    except OSError as e:  # a file the compile writes (the DSL's cubin in TMPDIR) could not be written
+        _refused(e, e.filename or "a file in " + out)
     secs = time.perf_counter() - t0
-    with open(os.path.join(out, "kernel.cubin"), "wb") as f:
-        f.write(c.cubin)
-    with open(os.path.join(out, "kernel.ptx"), "w", encoding="utf-8") as f:
-        f.write(c.ptx)
+    _write(os.path.join(out, "kernel.cubin"), c.cubin)
+    _write(os.path.join(out, "kernel.ptx"), c.ptx)
     meta = {
         "entry": c.entry,
         "params": [list(p) for p in c.params],
@@ -56,8 +89,7 @@ def main(argv: list[str]) -> int:
         "dyn_smem_per_m": c.dyn_smem_per_m,
         "compile_seconds": round(secs, 3),
     }
-    with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f)
+    _write(os.path.join(out, "meta.json"), json.dumps(meta))
     return 0
 
 

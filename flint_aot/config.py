@@ -13,13 +13,21 @@
     gemv:
       weight_format: [bf16, nvfp4]
       max_m: [8, 16, 32, 64]             # optional, as qkv.max_m
+    plugins:                    # your own kernels (docs/plugins.md)
+      silu_mul:                          # the kind: a name of your own, not a built-in kind
+        module: silu_mul.kernel          # importable (the config file's folder is searched last)
+        class: SiluMulKernel             # optional: default the module's KERNEL
+        spec: {intermediate: [6144]}     # axes; their product is the variant matrix
 
-Every error names the file, the key path, the offending value and what is accepted.
+Every error names the file, the key path, the offending value and what is accepted. What only importing a
+plugin's module can tell (does it import, is its class a flint_aot.Kernel, does it accept each spec) is
+checked by flint_aot.plugins, in a subprocess, before anything compiles.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +41,10 @@ MAX_HEADS = 128
 # norm.debug_spin_cycles: a debug build of the norm kernel that busy-waits this many clock cycles before
 # writing xn (a slow producer; proves that the qkv kernel waits for it). Never for serving.
 MAX_SPIN = 1 << 31
+_IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")  # a plugin's kind and spec axes
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
+_TOKEN = re.compile(r"[A-Za-z0-9_]+\Z")  # a plugin spec's string value (it becomes part of file names)
+MAX_NAME = 120  # a specialization's name: the cubin's file name and entry symbol derive from it
 
 
 class ConfigError(ValueError):
@@ -45,6 +57,7 @@ class Specialization:
     name: str  # unique per arch, also the cubin's base name and entry prefix
     spec: dict
     arch: str
+    plugin: tuple = ()  # a plugin's (module, class attribute): compiled from that module's class
 
     @property
     def label(self) -> str:
@@ -131,7 +144,7 @@ class _Checker:
 def validate(raw, source: str = "<config>") -> dict:
     """Check a parsed config and return it normalized (plain lists, canonical order of keys)."""
     c = _Checker(source)
-    c.mapping(raw, "", {"archs": True, **{k: False for k in KINDS}})
+    c.mapping(raw, "", {"archs": True, **{k: False for k in KINDS}, "plugins": False})
     out = {"archs": list(c.choices(raw["archs"], "archs", ARCHS))}
     if "norm" in raw:
         n = c.mapping(raw["norm"], "norm", {"residual": True, "debug_spin_cycles": False})
@@ -169,13 +182,76 @@ def validate(raw, source: str = "<config>") -> dict:
             "kv_cache_dtype": list(c.choices(g.get("kv_cache_dtype", ["bf16"]),
                                              "qk_norm_rope_cache.kv_cache_dtype", KV_CACHE_DTYPES)),
         }  # fmt: skip
-    if not any(k in out for k in KINDS):
+    if "plugins" in raw:
+        out["plugins"] = _plugins(c, raw["plugins"])
+    if not any(k in out for k in (*KINDS, "plugins")):
         raise ConfigError(
             f"{source}: <top level>: no kernels requested; accepted: one or more of the sections "
-            + ", ".join(KINDS)
+            + ", ".join((*KINDS, "plugins"))
         )
     _servable(out, source)
+    if "plugins" in out:
+        _unique_names(out, source)
     return out
+
+
+def _plugins(c: _Checker, raw) -> dict:
+    """plugins: {kind: {module, class (optional), spec: {axis: [values]} (optional)}}, checked without
+    importing anything."""
+    if not isinstance(raw, dict) or not raw:
+        c.fail("plugins", raw, "a mapping of kinds to {module: ..., class: ..., spec: {axis: [values]}}")
+    out = {}
+    for kind, p in raw.items():
+        path = f"plugins.{kind}"
+        if kind in KINDS:
+            raise ConfigError(f"{c.source}: {path}: {kind!r} is a built-in kind ({', '.join(KINDS)}); give "
+                              "your kernel a kind name of its own")  # fmt: skip
+        if not isinstance(kind, str) or not _IDENT.match(kind):
+            c.fail(path, kind, "a kind named in lower case: a letter, then letters, digits or _")
+        c.mapping(p, path, {"module": True, "class": False, "spec": False})
+        if not isinstance(p["module"], str) or not _MODULE.match(p["module"]):
+            c.fail(f"{path}.module", p["module"], "an importable module name, e.g. mypkg.kernels")
+        if "class" in p and (not isinstance(p["class"], str) or not p["class"].isidentifier()):
+            c.fail(f"{path}.class", p["class"], "the name of the module's kernel class")
+        spec = p.get("spec", {})
+        if not isinstance(spec, dict):
+            c.fail(f"{path}.spec", spec, "a mapping of axes to lists of values, e.g. {size: [1024, 2048]}")
+        axes = {}
+        for axis, values in spec.items():
+            where = f"{path}.spec.{axis}"
+            if not isinstance(axis, str) or not _IDENT.match(axis):
+                c.fail(where, axis, "an axis named in lower case: a letter, then letters, digits or _")
+            what = "true | false | integers | strings of letters, digits and _ | lists of integers or strings"
+            for i, v in enumerate(c.nonempty_unique_list(values, where, what)):
+                if not (_value(v) or isinstance(v, list) and v and all(_value(x, bool) for x in v)):
+                    c.fail(f"{where}[{i}]", v, what)
+            axes[axis] = list(values)
+        out[kind] = {"module": p["module"], **({"class": p["class"]} if "class" in p else {}), "spec": axes}
+    return out
+
+
+def _value(v, refused=()) -> bool:
+    """v is a plugin spec value: a bool, an int or a string of letters, digits and _ (not of `refused`)."""
+    return not isinstance(v, refused) and (isinstance(v, int) or isinstance(v, str) and bool(_TOKEN.match(v)))
+
+
+def _unique_names(config: dict, source: str) -> None:
+    """Every specialization has a name of its own (its cubin's file name), of at most MAX_NAME characters."""
+    seen: dict[str, Specialization] = {}
+    for s in expand(config):
+        other = seen.setdefault(s.name, s)
+        if s.arch == other.arch and s is not other or len(s.name) > MAX_NAME:
+            what = f"{len(s.name)} characters long" if s is other else f"also {other.kind} {other.spec}'s"
+            raise ConfigError(f"{source}: plugins.{s.kind}: the name of {s.kind} {s.spec}, {s.name!r}, is "
+                              f"{what}; names must be unique and at most {MAX_NAME} characters: rename the "
+                              "kind or the axis, or change the values")  # fmt: skip
+
+
+def plugin_spec_name(kind: str, spec: dict) -> str:
+    """A plugin specialization's name: the kind, then each axis and its value (lists joined by x)."""
+    tok = lambda v: ("x".join(map(tok, v)) if isinstance(v, list) else str(int(v)) if isinstance(v, bool)  # noqa: E731
+                     else str(v).replace("-", "m"))  # fmt: skip
+    return kind + "".join(f"_{axis}{tok(v)}" for axis, v in spec.items())
 
 
 def _servable(c: dict, source: str) -> None:
@@ -272,8 +348,12 @@ def expand(config: dict) -> list[Specialization]:
     g = config.get("qk_norm_rope_cache", {})
     for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
         specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))
-    return [
-        Specialization(kind, spec_name(kind, spec), spec, arch)
-        for kind, spec in specs
-        for arch in config["archs"]
-    ]
+    out = [Specialization(kind, spec_name(kind, spec), spec, arch) for kind, spec in specs
+           for arch in config["archs"]]  # fmt: skip
+    for kind, p in config.get("plugins", {}).items():
+        plugin = (p["module"], p.get("class", "KERNEL"))
+        for values in itertools.product(*p["spec"].values()):
+            spec = dict(zip(p["spec"], values, strict=True))
+            out += [Specialization(kind, plugin_spec_name(kind, spec), spec, arch, plugin)
+                    for arch in config["archs"]]  # fmt: skip
+    return out

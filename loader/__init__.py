@@ -9,8 +9,8 @@ import sys
 
 __version__ = "0.1.0"
 
-__all__ = ["BundleError", "current_bundle", "flint_qkv_fused", "fused_add_rms_norm", "gemv", "launch_options",
-           "load_bundle", "no_rope_table", "qk_norm_rope_cache", "rms_norm"]  # fmt: skip
+__all__ = ["BundleError", "current_bundle", "flint_qkv_fused", "fused_add_rms_norm", "gemv", "launch_kernel",
+           "launch_options", "load_bundle", "no_rope_table", "qk_norm_rope_cache", "rms_norm"]  # fmt: skip
 _RUNTIME = {"current_bundle", "launch_options", "load_bundle"}
 
 
@@ -18,10 +18,11 @@ def __getattr__(name):
     """The public names, resolved on first use (then bound: later lookups are plain module attributes)."""
     if name not in __all__:
         raise AttributeError(f"module 'loader' has no attribute {name!r}")
-    from loader import bundle, ops, runtime, torch_ops  # noqa: F401  (torch_ops registers torch.ops.flint.*)
+    from loader import bundle, kernels, ops, runtime, torch_ops  # noqa: F401  (torch_ops: torch.ops.flint.*)
 
     for n in __all__:
-        globals()[n] = getattr(bundle if n == "BundleError" else runtime if n in _RUNTIME else ops, n)
+        mod = bundle if n == "BundleError" else kernels if n == "launch_kernel" else ops
+        globals()[n] = getattr(runtime if n in _RUNTIME else mod, n)
     return globals()[name]
 
 

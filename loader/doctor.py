@@ -3,7 +3,8 @@ on this GPU, on random inputs, against the float64 torch reference; exit status 
 
     python -m loader.doctor [BUNDLE] [-m M ...]    (`flint-aot doctor` runs the same code)
 
-Needs torch, cuda-bindings and a GPU; not the DSL, not the build package.
+Needs torch, cuda-bindings and a GPU; not the DSL, not the build package. A plugin kernel (docs/plugins.md),
+for which it knows no reference, is verified and loaded but not run.
 """
 
 from __future__ import annotations
@@ -162,14 +163,25 @@ def _runs_at(e, m: int) -> bool:
     return "max_m" not in e.spec or abi.m_tiles(m)[0] == e.spec["max_m"]
 
 
-def run(bundle_path=None, ms=MS, seed: int = 0) -> list[Result]:
+def no_gpu(prog: str) -> str:
+    """Why `prog` cannot run here: what torch says of CUDA, and the fix."""
+    cuda, available = torch.version.cuda, torch.cuda.is_available()
+    build = f"built for CUDA {cuda}" if cuda else "a CPU-only build (torch.version.cuda is None)"
+    fix = ("no GPU is visible to it: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES" if cuda else
+           "run it on the GPU machine, with a CUDA build of torch")  # fmt: skip
+    return (f"{prog} needs a CUDA GPU; found torch {torch.__version__}, {build}, and "
+            f"torch.cuda.is_available() = {available}: {fix}")  # fmt: skip
+
+
+def run(bundle_path=None, ms=MS, seed: int = 0, prog: str = "python -m loader.doctor") -> list[Result]:
     """One call per variant of the bundle for this GPU's architecture and M of ms that runs it (by default the
-    8-token kernels at M = 1 and 8, the 16-, 32- and 64-token ones at M = 9, 32 and 64)."""
+    8-token kernels at M = 1 and 8, the 16-, 32- and 64-token ones at M = 9, 32 and 64). prog: the command,
+    for the messages."""
     import loader
     from loader import runtime
 
     if not torch.cuda.is_available():
-        raise RuntimeError("flint-aot doctor needs a CUDA GPU")
+        raise RuntimeError(no_gpu(prog))
     b = loader.load_bundle(bundle_path)
     arch = runtime.arch_for(torch.cuda.get_device_capability())
     entries = [e for e in b.manifest.kernels if e.arch == arch]
@@ -180,8 +192,12 @@ def run(bundle_path=None, ms=MS, seed: int = 0) -> list[Result]:
     out = []
     for e in entries:
         check = CHECKS.get(e.kind)
-        if check is None:
-            out.append(Result(e.name, float("nan"), False, 0.0, f"unknown kernel kind {e.kind!r}"))
+        if check is None:  # a plugin kernel (docs/plugins.md): no reference here; its cubin checked, loaded
+            try:
+                runtime.launcher(torch.cuda.current_device(), e.kind, ("doctor", e.name), lambda e=e: e.spec)
+                out.append(Result(e.name, float("nan"), True, 0.0, "plugin kernel: loaded, not run"))
+            except Exception as ex:  # a bad cubin: reported like a failed variant
+                out.append(Result(e.name, float("nan"), False, 0.0, f"{type(ex).__name__}: {ex}"[:200]))
             continue
         for m in [m for m in ms if _runs_at(e, m)]:
             name = f"{e.name} M={m}"

@@ -71,6 +71,9 @@ class Manifest:
     config: dict  # the resolved config
     kernels: list[KernelEntry] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
+    # plugin kinds (docs/plugins.md): kind -> {module, class, source_sha256, files, version}; written only
+    # when the bundle has some (a bundle of Flint's kernels alone keeps its bytes)
+    plugins: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         n = len(self.kernels)
@@ -81,6 +84,8 @@ class Manifest:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["kernels"] = [asdict(k) for k in sorted(self.kernels, key=lambda k: (k.kind, k.name, k.arch))]
+        if not self.plugins:
+            del d["plugins"]
         return d
 
     def dumps(self) -> str:
@@ -107,12 +112,17 @@ class Manifest:
                 raise ManifestError(
                     f"{where}: config: expected an object, got {_short(d['config'])}; rebuild the bundle"
                 )
+            plugins = d.get("plugins", {})
+            if not isinstance(plugins, dict) or not all(isinstance(v, dict) for v in plugins.values()):
+                raise ManifestError(f"{where}: plugins: expected an object of objects, got "
+                                    f"{_short(plugins)}; rebuild the bundle")  # fmt: skip
             kernels = [_entry_from_dict(k, f"{where}: kernels[{i}]") for i, k in enumerate(d["kernels"])]
             m = cls(
                 generator=str(d["generator"]),
                 dsl_version=str(d["dsl_version"]),
                 config=dict(d["config"]),
                 kernels=kernels,
+                plugins=dict(plugins),
             )
         except KeyError as e:
             raise ManifestError(f"{where}: malformed (missing field {e}); rebuild the bundle") from None

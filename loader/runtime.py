@@ -298,18 +298,20 @@ class Launcher:
             i = names.index(src)
             idx.append(i)
             align[i] = max(align[i], p.align)
-        if any(isinstance(g, str) and g not in symbols for g in self.entry.grid) or "M" not in symbols:
+        rule_ok = all(not isinstance(g, str) or g in symbols for g in self.entry.grid)
+        if not rule_ok or "M" not in symbols and "SMEM" not in symbols:  # (SMEM: the launch's shared memory)
             raise BundleError(f"{self.entry.file}: grid rule {self.entry.grid} names a symbol this loader "
                               f"does not supply for {self.entry.kind} ({', '.join(symbols)}); "
                               f"{REBUILD}")  # fmt: skip
         consts_in_order = operator.itemgetter(*const_names) if len(const_names) > 1 else (
             lambda d: tuple(map(d.__getitem__, const_names)))  # fmt: skip
-        g, smem, seen = self.entry.grid, self.entry.smem, {}
+        g, seen, per_m = self.entry.grid, {}, self.entry.smem
+        smem = (lambda sym: sym["SMEM"]) if "SMEM" in symbols else (lambda sym: per_m(sym["M"]))
 
         def grid(sym: dict) -> tuple:  # (grid x, y, z, dynamic shared memory bytes) from the manifest's rule
             key = tuple(sym.values())  # (one tuple per distinct grid: a dictionary hit after the first)
             return seen.get(key) or seen.setdefault(key, (*(sym[d] if isinstance(d, str) else d for d in g),
-                                                          smem(sym["M"])))  # fmt: skip
+                                                          smem(sym)))  # fmt: skip
 
         types = {p.name: _FORMAT[p.type] for p in self.entry.params}
         const_struct = struct.Struct("<" + "".join(types[n] for n in const_names))  # the consts' C types

@@ -152,7 +152,7 @@ def test_cli_config_error_exit_code(tmp_path):
 
 
 def test_default_config_is_accepted_and_its_kinds_compile(tmp_path):
-    """The shipped config (the README's first command) is accepted by the builder: every specialization it
+    """The shipped config (the README's Quickstart) is accepted by the builder: every specialization it
     expands to has a kernel, one bundle file each. Compiling all of it takes minutes: the two kinds no other
     build test compiles (norm and qkv are built by the others) go through the builder here; test_sass
     compiles the variants of every kind."""

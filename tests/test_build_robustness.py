@@ -115,3 +115,27 @@ def test_cli_compile_failure_names_the_specialization(tmp_path, monkeypatch):
     assert r.exit_code == 1
     assert "norm_res1@sm_90a" in r.output and "boom: unsupported" in r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_write_refused_by_the_file_system_names_the_os_error_and_the_file(tmp_path):
+    """A build under a file size limit smaller than a cubin (`ulimit -f`; a full disk cuts writes short the
+    same way) fails with the OS error and the file it could not write (the DSL's own write of the cubin, which
+    it does not check), not with a complaint about the truncated cubin; nothing is cached or installed and
+    the previous bundle stays."""
+    import resource
+
+    (tmp_path / "c.yaml").write_text(SMALL.replace("true, false", "true"))  # one norm cubin: 5 KB
+    out, cache = tmp_path / "b", tmp_path / "cache"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")  # a previous bundle (contents irrelevant: never read)
+    limit = 4096
+    p = _cli("build", str(tmp_path / "c.yaml"), "-o", str(out), "--cache-dir", str(cache),
+             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))  # fmt: skip
+    log = p.communicate(timeout=600)[0].decode()
+    assert p.returncode == 1, log
+    line = next(ln for ln in log.splitlines() if ln.startswith("cannot write "))
+    assert ".cubin: File too large" in line and "(EFBIG)" in line and f"cut off at {limit} bytes" in line, log
+    assert "ELF" not in log and "CubinError" not in log, log
+    assert not [c for c in cache.glob("*") if len(c.name) == 64]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]
+    assert (out / "manifest.json").read_text() == "{}"

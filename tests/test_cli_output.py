@@ -83,3 +83,16 @@ def test_build_flint_is_every_commands_default_bundle(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "build/flint does not exist" in r.output, r.output
     r = CliRunner().invoke(main, ["list"])
     assert r.exit_code == 1 and "build/flint does not exist" in r.output, r.output
+
+
+def test_cache_dir_help_gives_the_lookup_order(monkeypatch, tmp_path):
+    """--cache-dir's help names the three places in the order default_cache_dir takes them."""
+    from flint_aot.builder import default_cache_dir
+
+    r = CliRunner().invoke(main, ["build", "--help"], terminal_width=200)
+    text = " ".join(r.output.split())
+    want = "[default: $FLINT_AOT_CACHE, else $XDG_CACHE_HOME/flint-aot, else ~/.cache/flint-aot]"
+    assert want in text, text
+    monkeypatch.delenv("FLINT_AOT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "flint-aot"

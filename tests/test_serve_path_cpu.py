@@ -241,6 +241,26 @@ def test_links_in_readme_and_docs_resolve():
     assert checked > 10
 
 
+def test_the_readme_builds_the_bundle_once():
+    """The README's set-up installs, its Quickstart builds: a reader following both builds once."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    builds = [ln for b in blocks for ln in b.splitlines() if "flint-aot build configs/flint.yaml" in ln]
+    assert len(builds) == 1, builds
+    assert "pip install" in blocks[0] and "flint-aot build" not in blocks[0], blocks[0]
+
+
+def test_the_examples_readme_pins_transformers_as_the_extra_and_runs_python_one_way():
+    tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pin,) = extras["example"]
+    text = (ROOT / "examples" / "README.md").read_text(encoding="utf-8")
+    lines = [ln for b in re.findall(r"```bash\n(.*?)```", text, re.S) for ln in b.splitlines()]
+    assert [ln for ln in lines if "transformers" in ln] == [ln for ln in lines if f"'{pin}'" in ln] != []
+    runs = [ln.split()[0] for ln in lines if "examples/" in ln and ".py" in ln]
+    assert set(runs) == {"python"}, runs  # (PYTHONPATH=. is said once, in prose)
+
+
 def test_fake_implementations_give_the_shapes_at_every_m():
     """torch.compile's fake tensors: each torch.ops.flint.* gives its outputs' shapes and dtypes at M = 1, 8
     and 16 (the fakes are named functions with the ops' signatures)."""

@@ -28,4 +28,7 @@ print('\n'.join(sorted({d(d(torch.__file__)), d(d(d(c.__file__)))})))" \
   fi
   rm -rf "$w"
 fi
+if [ -d build/flint_plus ]; then  # your own kernel beside Flint's (examples/custom_kernel)
+  python3 examples/custom_kernel/run.py --bundle build/flint_plus 2>&1 | tee "$OUT/custom_kernel.log" | tail -25
+fi
 for b in ${BENCH:-}; do python3 "$b" 2>&1 | tee -a "$OUT/bench.log"; done

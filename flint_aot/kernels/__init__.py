@@ -28,8 +28,12 @@ def kernel_class(kind: str):
 
 
 def implemented(kind: str, spec: dict) -> bool:
+    """A built-in kind's spec this version compiles; a plugin kind (any other) always is (its module is
+    checked by flint_aot.plugins before the build)."""
     mod = MODULES.get(kind)
-    if mod is None or importlib.util.find_spec(mod) is None:
+    if mod is None:
+        return kind not in KINDS
+    if importlib.util.find_spec(mod) is None:
         return False
     return not any(k == kind and spec.get(key) == v for k, key, v in _NOT_YET)
 

@@ -10,14 +10,17 @@ pointers and Int32 / Int64 / Float32 scalars, each one .param with natural align
 from __future__ import annotations
 
 import inspect
+import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from loader.abi import GRID, MAX_M
+from loader.elf import CubinError, read_cubin
 
 _C_TYPE = {cute.Pointer: "ptr", Int32: "i32", Int64: "i64", Float32: "f32"}
 _PTR = (BFloat16, 16)  # a pointer's element type and assumed alignment unless the kernel's ptr_types say else
@@ -37,14 +40,15 @@ class Compiled:
 
 
 class Kernel:
-    """A kernel kind's specialization: its compile-time configuration set once, in __init__(spec), from the
-    spec; `kernel` (a @cute.kernel method) is the flat parameter list the manifest records."""
+    """The public base class of every kernel kind, built-in or a plugin (`flint_aot.Kernel`, docs/plugins.md):
+    one specialization, its compile-time configuration set once, in __init__(spec), from the spec's values;
+    `kernel` (a @cute.kernel method) is the flat parameter list the manifest records by name."""
 
-    kind = ""
-    block: tuple = (128, 1, 1)
-    cluster: tuple = (1, 1, 1)
-    grid: tuple | None = None  # the grid rule (loader.abi.GRID_SYMBOLS); None: the kind's, abi.GRID
-    dyn_smem = 0  # dynamic shared memory of every launch (bytes)
+    kind = ""  # a built-in kind's name (its grid rule, loader.abi.GRID); plugins leave it empty
+    block: tuple = (128, 1, 1)  # baked into the cubin (.reqntid): every launch uses exactly this block
+    cluster: tuple = (1, 1, 1)  # a launch attribute, recorded in the manifest
+    grid: tuple | None = None  # a built-in specialization's own grid rule (abi.GRID_SYMBOLS); None: the kind's
+    dyn_smem = 0  # dynamic shared memory the kernel may use (bytes): the loader allows launches up to it
     dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
 
@@ -52,12 +56,12 @@ class Kernel:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
         return {}
 
-    def compile(self, arch: str, entry_prefix: str) -> Compiled:
+    def compile(self, arch: str, entry_prefix: str, grid: tuple | None = None) -> Compiled:
+        """The cubin for arch; grid: the manifest's grid rule (default: the built-in kind's)."""
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
-                              dyn_smem=self.dyn_smem,
-                              dyn_smem_per_m=self.dyn_smem_per_m, min_ctas_per_sm=self.min_ctas_per_sm,
-                              grid=self.grid)  # fmt: skip
+                              dyn_smem=self.dyn_smem, dyn_smem_per_m=self.dyn_smem_per_m,
+                              min_ctas_per_sm=self.min_ctas_per_sm, grid=grid or self.grid)  # fmt: skip
 
 
 def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
@@ -95,7 +99,7 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
                    min_ctas_per_sm: int = 0, grid: tuple | None = None) -> Compiled:  # fmt: skip
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
     cubin as .reqntid), cluster and dynamic shared memory (launch attributes: dyn_smem + M x dyn_smem_per_m
-    bytes) and the kind's grid rule."""
+    bytes) and the grid rule (default: the kind's, loader.abi.GRID)."""
     kernel.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
     params = kernel_params(kernel, ptr_types)
     launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
@@ -117,8 +121,32 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
             options=f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir {d}",
         )  # fmt: skip
         cubin, ptx = c.artifacts.CUBIN, c.artifacts.PTX
+        _check_written(Path(d), cubin)
     names = list(c.kernel_info)
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
-    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster), grid or GRID[kind], dyn_smem,
-                    dyn_smem_per_m)  # fmt: skip
+    return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster),
+                    tuple(grid) if grid else GRID[kind], dyn_smem, dyn_smem_per_m)  # fmt: skip
+
+
+def _check_written(d: Path, cubin: bytes) -> None:
+    """The DSL writes the cubin into d and reads it back, and a write the file system refuses (a full disk, a
+    file size limit) leaves it cut short without an error: an unreadable cubin is written again, longer, to
+    raise the OSError that cut it, naming the file."""
+    try:
+        read_cubin(cubin)
+        return
+    except CubinError:
+        pass
+    path = next(iter(sorted(d.glob("*.cubin"))), d / "kernel.cubin")
+    probe = path.with_suffix(".probe")
+    try:
+        with open(probe, "wb") as f:
+            f.write(cubin + bytes(1 << 16))  # more than was written: fails where the DSL's write stopped
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        what = f"{e.strerror}: the DSL's cubin was cut off at {len(cubin)} bytes"
+        raise OSError(e.errno, what, str(path)) from None
+    finally:
+        probe.unlink(missing_ok=True)
