@@ -104,8 +104,8 @@ PATCHES = [
     # both: T5 the (last) q/k exchange done
     (
         "flint_aot/kernels/qkv.py",
-        "            cute.arch.mbarrier_wait(mbar, phase)\n",
-        "            cute.arch.mbarrier_wait(mbar, phase)\n"
+        "            cute.arch.mbarrier_wait(mbar, 0)\n",
+        "            cute.arch.mbarrier_wait(mbar, 0)\n"
         f"            _tl_store(t.tid, {_T_AT.format(5)}, _tl_time(a.m >> 31))\n",
     ),
     # the token stream: T2, T3 the first group's x in, each group's MMAs done (words 8 + i), T6
@@ -131,9 +131,9 @@ PATCHES = [
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "                self.stream_finish(a, t, s, hvs[i - 2], i - 2, scale, ins[i - 2])\n",
-        "                self.stream_finish(a, t, s, hvs[i - 2], i - 2, scale, ins[i - 2])\n"
-        f"                _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(hvs[i - 2])], a.m)))\n",
+        "            self.stream_finish(a, t, s, hvs[i], i, scale, rope[i])\n",
+        "            self.stream_finish(a, t, s, hvs[i], i, scale, rope[i])\n"
+        f"            _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(hvs[i])], a.m)))\n",
     ),
     (
         "flint_aot/kernels/norm.py",
