@@ -73,29 +73,18 @@ class GemvKernel(Kernel):
     @cute.jit
     def groups(self, st, xs, red, mbx, mbr, x, y, m, n, tid, q, quad):
         """Every group's MMAs (their partial sums sent to the owners without waiting), then the owner's sums
-        and stores."""
-        for i in cutlass.range_constexpr(self.stream.groups):
-            if GROUP * i < m:
-                self.group(st, xs, red, mbx, mbr, x, m, tid, q, i)
-        for i in cutlass.range_constexpr(self.stream.groups):
-            if GROUP * i < m:
-                self.store(y, self.stream.total(st, red, mbr, i, tid), quad * core.WARPS + q, i, tid, m, n)
-
-    @cute.jit
-    def group(self, st, xs, red, mbx, mbr, x, m, tid, q, i: cutlass.Constexpr):
-        """Group i's MMAs; its ring stage refilled with group i + stages; its partial sums sent."""
-        d = self.stream.partials(st, self.stream.stage(xs, mbx, i), i, m, tid)
-        if cutlass.const_expr(i + self.stream.stages < self.stream.groups):
-            cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
-            self.refill(xs, mbx, x, q, i + self.stream.stages, m, tid)
-        if cutlass.const_expr(i == 0):
-            cute.arch.cluster_wait()  # the peers' mbarriers are initialised
-        self.stream.send(red, mbr, d, i, q, tid)
-
-    @cute.jit
-    def refill(self, xs, mbx, x, q, i: cutlass.Constexpr, m, tid):
-        if tid < GROUP and GROUP * i < m:
-            self.stream.fill(xs, mbx, x, q, i, m, tid)
+        and stores: loops at run time over the groups of m tokens."""
+        groups = (m + (GROUP - 1)) // GROUP
+        cute.arch.cluster_wait()  # the peers' mbarriers are initialised (before the first send)
+        for i in range(groups):
+            d = self.stream.partials(st, self.stream.stage(xs, mbx, i), i, m, tid)
+            if i + self.stream.stages < groups:
+                cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
+                if tid < GROUP:
+                    self.stream.fill(xs, mbx, x, q, i + self.stream.stages, m, tid)
+            self.stream.send(red, mbr, d, i, q, tid)
+        for i in range(groups):
+            self.store(y, self.stream.total(st, red, mbr, i, tid), quad * core.WARPS + q, i, tid, m, n, False)
 
     @cute.jit
     def first(self, xs, mbx, x, q, m, tid):
@@ -108,10 +97,14 @@ class GemvKernel(Kernel):
                     self.stream.fill(xs, mbx, x, q, i, m, tid)
 
     @cute.jit
-    def store(self, y, s: Float32, rb, i: cutlass.Constexpr, tid, m, n):
-        """y[8 i + tid // 16, 16 rb + tid % 16] = bf16(s), for tokens < m and row blocks inside N."""
+    def store(self, y, s: Float32, rb, i, tid, m, n, inside: cutlass.Constexpr = True):
+        """y[8 i + tid // 16, 16 rb + tid % 16] = bf16(s), for tokens < m (and, unless the row block is known
+        to be inside N, row blocks inside N)."""
         tk = GROUP * i + tid // core.ROWS
-        if tk < m and rb < n // core.ROWS:
+        ok = tk < m
+        if cutlass.const_expr(not inside):
+            ok = ok and rb < n // core.ROWS
+        if ok:
             yt = cute.make_tensor(y + (tk * n + rb * core.ROWS), cute.make_layout(core.ROWS))
             yt[tid % core.ROWS] = s.to(BFloat16)
 

@@ -453,7 +453,7 @@ class StreamGemv:
         return st
 
     @cute.jit
-    def fill(self, xs, mbx, x, q, i: cutlass.Constexpr, m, tid):
+    def fill(self, xs, mbx, x, q, i, m, tid):
         """Group i's tokens, quarter q of their rows of x (bf16 [m, K], written by the predecessor: the calling
         threads, tid < 8, have waited for it), into ring stage i % stages: one 1 KB bulk copy per token, thread
         0 arming the stage's mbarrier for them."""
@@ -465,20 +465,20 @@ class StreamGemv:
             bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER), mbx + stg,
                       QUARTER * 2)  # fmt: skip
 
-    def stage(self, xs, mbx, i: int, wait: bool = True):
+    def stage(self, xs, mbx, i, wait: bool = True):
         """Ring stage of group i as a SharedX (after waiting for its copies, if wait)."""
         stg = i % self.stages
         if wait:
             cute.arch.mbarrier_wait(mbx + stg, (i // self.stages) % 2)
         return SharedX(xs + stg * GROUP * self.xrow, self.xrow, None)
 
-    def partials(self, st, x, i: int, m, tid):
+    def partials(self, st, x, i, m, tid):
         """This warp's partial sums of group i (tokens 8 i ..): the 8-token design's MMA sequence on its
         quarter; x: the group's stage."""
         _, _, g, _ = lanes(tid)
         return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0)
 
-    def send(self, red, mbr, d, i: int, rank, tid):
+    def send(self, red, mbr, d, i, rank, tid):
         """Group i's partial sums of this warp's row block to its owner, rank 4 h + w, slot [i][q]."""
         warp, _, g, t = lanes(tid)
         q = rank % WARPS
@@ -488,7 +488,7 @@ class StreamGemv:
             cute.arch.store_async_dsmem(red + (base + half * 8 * GROUP),
                                         (as_i32(d[2 * half]), as_i32(d[2 * half + 1])), mbr + i, owner)  # fmt: skip
 
-    def total(self, st, red, mbr, i: int, tid):
+    def total(self, st, red, mbr, i, tid):
         """Owner: the fp32 sum of row tid % 16 of its row block, token 8 i + tid // 16 (quarters in order),
         times the global scale for NVFP4."""
         cute.arch.mbarrier_wait(mbr + i, 0)

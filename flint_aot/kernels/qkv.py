@@ -260,9 +260,11 @@ class QkvKernel(Kernel):
         (gemv_core.StreamGemv) for one group of 8 tokens after another, sending each group's partial sums to
         the owner of each row block (rank 4 h + w, the head's dims 16 (4 h + w) ..) without waiting; then, as
         owner, the 8-token kernel's epilogue for every group: first every group's sum and exchange, then
-        every group's stores, so that each exchange is waited for once, not once per group. The slots and
-        positions of every token are read once, into shared memory, by the threads that copy the first groups
-        of x."""
+        every group's stores, so that each exchange is waited for once, not once per group. Both phases are
+        loops over the groups at run time (one copy of their code, not one per group: unrolled, the 64-token
+        kernel's groups each cost up to twice the 16-token kernel's, BENCHMARKS.md). Every token's slot,
+        position and RoPE coefficients are read once, into shared memory, by the threads that copy the first
+        groups of x."""
         s = self.stream_shared(a, t)
         q = t.rank % QUARTERS
         row0 = ((t.cta // QUARTERS) * QUARTERS + t.tid // 32) * R  # this warp's row block
@@ -273,29 +275,32 @@ class QkvKernel(Kernel):
             first()
         scale = self.cache_scale(a, t)
         if cutlass.const_expr(self.prologue):
+            cute.arch.mbarrier_wait(s.mbn, 0)  # every quarter's sums of squares
             self.stream_norm_fill(a, t, s, q, 0)
             cute.arch.sync_threads()
-        for i in range(self.groups):  # (trace time: unrolled)
-            self.stream_mma(a, t, s, st, q, i)
-        cute.arch.mbarrier_wait(s.mbm, 0)  # the slots and positions are in shared memory
-        rope = [self.stream_rope(a, t, s, i) for i in range(self.groups)]  # (in flight during the exchanges)
-        hvs = [self.stream_send(a, t, s, st, i, scale, rope[i]) for i in range(self.groups)]
-        for i in range(self.groups):
-            self.stream_finish(a, t, s, hvs[i], i, scale, rope[i])
+        else:
+            cute.arch.cluster_wait()  # the peers' mbarriers are initialised (before the first send)
+        self.stream_mmas(a, t, s, st, q)
+        cute.arch.mbarrier_wait(s.mbm, 0)  # the slots, positions and RoPE coefficients are in shared memory
+        self.stream_epilogue(a, t, s, st, scale)
 
     @cute.jit
     def stream_shared(self, a, t):
         """The stream's shared memory (gemv_core.StreamGemv.alloc), the epilogue's exchange buffers and
-        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written) and position
-        (-1: outside the table) on mbm; prologue design: ssn [token][virtual warp], the 8 slice sums of squares
-        of each token, on mbn. Initialised before the cluster arrive."""
+        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written), position (-1:
+        outside the table) and, with RoPE, the cos|sin of this CTA's 16 dims at that position, on mbm (8
+        arrivals, and the bulk copies of the coefficients); prologue design: ssn [token][virtual warp], the 8
+        slice sums of squares of each token, on mbn. Initialised before the cluster arrive."""
         xs, red, mbx, mbr = self.core.alloc()
-        slots = self.groups
-        ssq = cute.arch.alloc_smem(Float32, slots * CLUSTER * GROUP, alignment=16)
-        pv = cute.arch.alloc_smem(Float32, slots * R * GROUP, alignment=16)
-        mbar = cute.arch.alloc_smem(Int64, slots, alignment=8)
+        groups = self.groups
+        ssq = cute.arch.alloc_smem(Float32, groups * CLUSTER * GROUP, alignment=16)
+        pv = cute.arch.alloc_smem(Float32, groups * R * GROUP, alignment=16)
+        mbar = cute.arch.alloc_smem(Int64, groups, alignment=8)
         mslot = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
         mpos = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
+        cs = mslot
+        if cutlass.const_expr(self.rope):
+            cs = cute.arch.alloc_smem(Float32, self.tile * 2 * R, alignment=128)  # [token][cos 16 | sin 16]
         mbm = cute.arch.alloc_smem(Int64, 1, alignment=8)
         ssn = ssq
         mbn = mbar
@@ -304,25 +309,26 @@ class QkvKernel(Kernel):
             mbn = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if t.tid == 0:
             self.core.arm(xs, red, mbx, mbr)
-            for i in cutlass.range_constexpr(slots):
+            for i in cutlass.range_constexpr(groups):
                 cute.arch.mbarrier_init(mbar + i, 1)
             cute.arch.mbarrier_init(mbm, GROUP)
             if cutlass.const_expr(self.prologue):
                 cute.arch.mbarrier_init(mbn, 1)
             cute.arch.mbarrier_init_fence()
             if not t.is_v:
-                for i in cutlass.range_constexpr(slots):
+                for i in cutlass.range_constexpr(groups):
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar + i, self.rx_bytes)
             if cutlass.const_expr(self.prologue):  # 2 sums from each of the 4 quarters' CTAs, per token
                 cute.arch.mbarrier_arrive_and_expect_tx(mbn, a.m * (CLUSTER * 4))
         cute.arch.cluster_arrive_relaxed()
         return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssq=ssq, pv=pv, mbar=mbar, ssn=ssn, mbn=mbn,
-                               mslot=mslot, mpos=mpos, mbm=mbm)  # fmt: skip
+                               mslot=mslot, mpos=mpos, cs=cs, mbm=mbm)  # fmt: skip
 
     def stream_first(self, a, t, s, q):
         """Once the weights are issued (BF16) or after the guarded wait (NVFP4): the separate design's first
         ring stages (threads tid < 8, waiting for the predecessor themselves), or the prologue design's sums
-        of squares (every thread); then threads tid < 8 stage every token's slot and position."""
+        of squares (every thread); then threads tid < 8 stage every token's slot, position and RoPE
+        coefficients."""
         if cutlass.const_expr(self.prologue):
             self.stream_norm_sums(a, t, s, q)
         else:
@@ -340,10 +346,15 @@ class QkvKernel(Kernel):
     @cute.jit
     def stream_meta(self, a, t, s):
         """Threads tid < 8, after the wait: tokens tid, tid + 8, ..: the slot as int32 (-1 unless inside the
-        cache, which the loader keeps below 2**31 slots) and the position (-1 outside the cos/sin table; tokens
-        past m take token m - 1's) into shared memory, then an arrival on mbm."""
+        cache, which the loader keeps below 2**31 slots), the position (-1 outside the cos/sin table; tokens
+        past m take token m - 1's) and, with RoPE, one bulk copy each of the cos and the sin of this CTA's 16
+        dims at that position (row 0 for a position outside the table) into shared memory (thread 0 first
+        tells mbm to expect their bytes); then an arrival on mbm."""
         st = cute.make_tensor(s.mslot, cute.make_layout(self.tile))
         sp = cute.make_tensor(s.mpos, cute.make_layout(self.tile))
+        if cutlass.const_expr(self.rope):
+            if t.tid == 0:
+                cute.arch.mbarrier_expect_tx(s.mbm, self.tile * 2 * R * 4)
         for j in cutlass.range_constexpr(self.tile // GROUP):
             tok = t.tid + GROUP * j
             slot = Int64(-1)
@@ -352,63 +363,65 @@ class QkvKernel(Kernel):
             st[tok] = Int32(cutlass.select_(slot >= 0 and slot < a.num_cache_slots, slot, Int64(-1)))
             if cutlass.const_expr(self.rope):
                 p = device.at(a.positions, cutlass.min(tok, a.m - 1))[0]
-                sp[tok] = Int32(cutlass.select_(p >= 0 and p < a.max_pos, p, Int64(-1)))
-        cute.arch.mbarrier_arrive(s.mbm)
+                ok = p >= 0 and p < a.max_pos
+                sp[tok] = Int32(cutlass.select_(ok, p, Int64(-1)))
+                row = a.cos_sin_cache + (Int64(cutlass.select_(ok, p, Int64(0))) * HEAD_DIM
+                                         + (t.rank % (CLUSTER // 2)) * R)  # fmt: skip
+                for half in cutlass.range_constexpr(2):  # cos, then sin (64 further)
+                    device.bulk_copy(s.cs + (tok * 2 + half) * R, row + half * HALF_DIM, s.mbm, R * 4)
+        cute.arch.mbarrier_arrive(s.mbm)  # (after this thread's stores)
 
-    @cute.jit
-    def stream_rope(self, a, t, s, i: cutlass.Constexpr):
-        """Group i's RoPE coefficients of this thread's token and dim (ok, cos, sin), read before its MMAs."""
-        ok = True
-        c = Float32(1.0)
-        sn = Float32(0.0)
+    def stream_rope(self, a, t, s, tok):
+        """(ok, cos, sin) of this thread's dim at token tok's position, from shared memory."""
         if cutlass.const_expr(self.rope):
-            p = cute.make_tensor(s.mpos, cute.make_layout(self.tile))[GROUP * i + t.tk]
-            ok, c, sn = device.rope_coeffs(a.cos_sin_cache, Int64(p), a.max_pos, t.dim)
-        return ok, c, sn
+            cs = cute.make_tensor(s.cs, cute.make_layout(self.tile * 2 * R))
+            p = cute.make_tensor(s.mpos, cute.make_layout(self.tile))[tok]
+            return p >= 0, cs[tok * (2 * R) + t.r], cs[tok * (2 * R) + R + t.r]
+        return True, Float32(1.0), Float32(0.0)
 
     @cute.jit
-    def stream_mma(self, a, t, s, st, q, i: cutlass.Constexpr):
-        """Group i's MMAs and partial sums to the row blocks' owners; its ring stage refilled (separate design:
-        bulk copies of group i + stages once every warp has read it; prologue design: group i + 1 normalised
-        into the other stage after the MMAs, then a CTA barrier)."""
-        if GROUP * i < a.m:
+    def stream_mmas(self, a, t, s, st, q):
+        """Every group's MMAs (a loop at run time) and partial sums to the row blocks' owners; its ring stage
+        refilled (separate design: bulk copies of group i + stages once every warp has read it; prologue
+        design: group i + 1 normalised into the other stage after the MMAs, then a CTA barrier)."""
+        groups = (a.m + (GROUP - 1)) // GROUP
+        for i in range(groups):
             if cutlass.const_expr(self.prologue):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)
-                if cutlass.const_expr(i + 1 < self.groups):  # (the other stage: read by group i - 1's MMAs,
-                    self.stream_norm_fill(a, t, s, q, i + 1)  # which every warp ended before the last barrier)
+                if i + 1 < groups:  # (the other stage: read by group i - 1's MMAs, which every warp ended
+                    self.stream_norm_fill(a, t, s, q, i + 1)  # before the last barrier)
                 cute.arch.sync_threads()
             else:
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
-                if cutlass.const_expr(i + self.core.stages < self.groups):
+                if i + self.core.stages < groups:
                     cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
-                    if t.tid < GROUP and GROUP * (i + self.core.stages) < a.m:
+                    if t.tid < GROUP:
                         self.core.fill(s.xs, s.mbx, a.x, q, i + self.core.stages, a.m, t.tid)
-                if cutlass.const_expr(i == 0):
-                    cute.arch.cluster_wait()  # the peers' mbarriers are initialised
             self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
-    def stream_send(self, a, t, s, st, i: cutlass.Constexpr, scale, rope):
-        """Group i at the owner: the quarters' sum rounded to bf16 (returned as fp32), then the epilogue's
-        first half (v head: the cache store; q/k head: the exchange)."""
-        hv = Float32(0.0)
-        if GROUP * i < a.m:
+    def stream_epilogue(self, a, t, s, st, scale):
+        """As owner, for every group (loops at run time): the quarters' sum rounded to bf16 and the
+        epilogue's first half (v head: the cache store; q/k head: the exchange); then, for every group, the
+        second half (q/k head: the norm, RoPE and stores), the sum taken again from shared memory."""
+        groups = (a.m + (GROUP - 1)) // GROUP
+        for i in range(groups):
             hv = self.core.total(st, s.red, s.mbr, i, t.tid).to(BFloat16).to(Float32)
-            self.epilogue_send(a, t, self.group_buffers(s, i), hv, i, scale, (self.stream_slot(s, t, i), *rope))
-        return hv
-
-    @cute.jit
-    def stream_finish(self, a, t, s, hv, i: cutlass.Constexpr, scale, rope):
-        """Group i's stores (q/k heads), the q/k norm weights read here (L1 hits after the first group)."""
-        if GROUP * i < a.m:
+            tok = GROUP * i + t.tk
+            e = (self.stream_slot(s, tok), *self.stream_rope(a, t, s, tok))
+            self.epilogue_send(a, t, self.group_buffers(s, i), hv, i, scale, e)
+        if not t.is_v:
             wn, wp = self.norm_weights(a, t)
-            self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, (self.stream_slot(s, t, i), *rope),
-                                 wn, wp)  # fmt: skip
+            for i in range(groups):
+                hv = self.core.total(st, s.red, s.mbr, i, t.tid).to(BFloat16).to(Float32)
+                tok = GROUP * i + t.tk
+                e = (self.stream_slot(s, tok), *self.stream_rope(a, t, s, tok))
+                self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)
 
-    def stream_slot(self, s, t, i: int):
-        return cute.make_tensor(s.mslot, cute.make_layout(self.tile))[GROUP * i + t.tk]
+    def stream_slot(self, s, tok):
+        return cute.make_tensor(s.mslot, cute.make_layout(self.tile))[tok]
 
-    def group_buffers(self, s, i: int):
+    def group_buffers(self, s, i):
         return (s.ssq + i * (CLUSTER * GROUP), s.pv + i * (R * GROUP), s.mbar + i)
 
     @cute.jit
@@ -444,13 +457,12 @@ class QkvKernel(Kernel):
             cute.arch.store_async_dsmem(s.ssn + dst, (sums[0], sums[1]), s.mbn, t.rank - q + lane)
 
     @cute.jit
-    def stream_norm_fill(self, a, t, s, q, i: cutlass.Constexpr):
-        """The prologue design's second pass for group i: xn of the group's tokens, this CTA's quarter, into
-        ring stage i % stages (rows 2 j + tid // 64, 8 elements at column 8 (tid % 64) each): r recomputed
-        from x and the residual (the same bits), scaled with the 8 virtual warps' sums added in order
-        (device.norm_scale) and the norm weight: bit-identical to the norm kernel's xn."""
-        if cutlass.const_expr(i == 0):
-            cute.arch.mbarrier_wait(s.mbn, 0)
+    def stream_norm_fill(self, a, t, s, q, i):
+        """The prologue design's second pass for group i (after mbn: every quarter's sums): xn of the group's
+        tokens, this CTA's quarter, into ring stage i % stages (rows 2 j + tid // 64, 8 elements at column
+        8 (tid % 64) each): r recomputed from x and the residual (the same bits), scaled with the 8 virtual
+        warps' sums added in order (device.norm_scale) and the norm weight: bit-identical to the norm
+        kernel's xn."""
         col = (t.tid % 64) * NORM_VEC
         stage = s.xs + (i % self.core.stages) * GROUP * self.core.xrow
         for j in range(GROUP // 2):
@@ -508,7 +520,7 @@ class QkvKernel(Kernel):
         return a.num_cache_slots, a.block_size, a.stride_block, a.stride_slot, a.stride_head
 
     @cute.jit
-    def epilogue_send(self, a, t, buf, hv, i: cutlass.Constexpr, scale, e):
+    def epilogue_send(self, a, t, buf, hv, i, scale, e):
         """v head: this thread's value (row r, token 8 i + tk) to the paged cache. q/k head: the token's
         partial sum of squares over this CTA's 16 dims (a 16-lane butterfly) to every CTA of the head (lane r
         to rank r) and, with RoPE, the value to the rotation partner (rank ^ 4), by st.async on their mbarrier
@@ -530,7 +542,7 @@ class QkvKernel(Kernel):
                                             t.rank ^ (CLUSTER // 2))  # fmt: skip
 
     @cute.jit
-    def epilogue_finish(self, a, t, buf, hv, i: cutlass.Constexpr, scale, e, wn, wp):
+    def epilogue_finish(self, a, t, buf, hv, i, scale, e, wn, wp):
         """q/k head, once the group's mbarrier has every byte: the RMSNorm (fp32, the 8 ranks' sums in rank
         order: the same in all 8 CTAs), NeoX RoPE and one bf16 rounding of its own dim, stored as q or into
         the k cache (an FP8 cache: e4m3(value / scale) of the same bf16 value)."""
