@@ -25,7 +25,7 @@ decode, ours eager and ours under graph replay.
     python examples/qwen3_decode.py                                # 28 layers, BF16 weights, BF16 cache
     python examples/qwen3_decode.py --weights nvfp4 --kv-cache fp8
     python examples/qwen3_decode.py --backend reference --tiny     # pure torch, runs on CPU
-    python examples/qwen3_decode.py --batch 16                     # and 16 sequences decoding together
+    python examples/qwen3_decode.py --batch 64                     # and 64 sequences decoding together
 
 `--backend reference` swaps the op for a torch implementation of the same numerics (docs/numerics.md, built
 from `loader.reference`), so the whole loop and its checks run without a GPU; `--tiny` shrinks vocabulary,
@@ -42,9 +42,10 @@ import time
 
 import torch
 
+from loader.abi import MAX_M  # tokens per op call (the op's limit); the prefill runs in chunks of this size
+
 HIDDEN, HEAD_DIM, NUM_Q_HEADS, NUM_KV_HEADS = 2048, 128, 16, 8
 BLOCK_SIZE = 16  # paged KV cache: tokens per block
-MAX_M = 16  # tokens per op call (the op's limit); the prefill runs in chunks of this size
 E4M3_MAX = 448.0
 
 # Acceptance. The error metric, per decode step: max_v |ours - ref| / max_v |ref| over the step's fp32
