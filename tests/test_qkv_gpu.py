@@ -431,3 +431,45 @@ def test_slow_producer(gpu_bundle):
                 check(c, q, res_out, kb, vb)
     finally:
         loader.load_bundle(gpu_bundle.path)
+
+
+def test_graph_of_28_layers_at_m64(gpu_bundle):
+    """A decode step's attention inputs at the op's largest M: 28 layers of distinct weights (a Qwen3-1.7B
+    depth) at M = 64 captured in one CUDA graph and replayed on new inputs give, bit for bit, what the same
+    calls give eagerly (q, residual_out and every cache byte of every layer), and agree with the reference."""
+    nq, nkv = pick_heads(gpu_bundle, "bf16", "bf16", prefer=((16, 8),))
+    m, layers = 64, 28
+    cs = [make_case(m, nq, nkv, True, seed=9000 + i, num_blocks=8) for i in range(layers)]
+
+    def step():
+        return [run(c) for c in cs]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # modules loaded, plans built
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        outs = step()
+    for i, c in enumerate(cs):  # new inputs into the captured tensors, caches poisoned
+        n = make_case(m, nq, nkv, True, seed=9100 + i, num_blocks=8)
+        for key in ("x", "residual", "positions"):
+            c[key].copy_(n[key])
+        poison_cache_(c["k_cache"])
+        poison_cache_(c["v_cache"])
+    before = [(c["k_cache"].clone(), c["v_cache"].clone()) for c in cs]
+    g.replay()
+    torch.cuda.synchronize()
+    replayed = [(q.clone(), r.clone(), c["k_cache"].clone(), c["v_cache"].clone())
+                for (q, r), c in zip(outs, cs, strict=True)]  # fmt: skip
+    for c, (kb, vb) in zip(cs, before, strict=True):
+        c["k_cache"].copy_(kb)
+        c["v_cache"].copy_(vb)
+    eager = step()
+    torch.cuda.synchronize()
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    for i, (c, (q, r, k, v), (qe, re)) in enumerate(zip(cs, replayed, eager, strict=True)):
+        assert torch.equal(bits(q), bits(qe)) and torch.equal(bits(r), bits(re)), i
+        assert torch.equal(bits(k), bits(c["k_cache"])) and torch.equal(bits(v), bits(c["v_cache"])), i
+    check(cs[-1], eager[-1][0], eager[-1][1], *before[-1])
