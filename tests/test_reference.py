@@ -62,7 +62,7 @@ def test_e2m1_table_matches_spec():
 
 @pytest.mark.parametrize("n,k,seed", [(256, 512, 1), (384, 2048, 2)])
 def test_quantize_roundtrip_exact(n, k, seed):
-    g = 2.0 ** -10
+    g = 2.0**-10
     w, codes, sbytes = _exact_weights(n, k, g, seed)
     packed, scales, gs = nvfp4.quantize(w)
     assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
@@ -82,7 +82,7 @@ def test_quantize_roundtrip_exact(n, k, seed):
 
 
 def test_largest_scale_and_code_survive():
-    g = 2.0 ** -4
+    g = 2.0**-4
     n, k = 128, 64
     gen = _gen(3)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
@@ -104,7 +104,7 @@ def test_largest_scale_and_code_survive():
 
 
 def test_ties_round_to_even_code():
-    g = 2.0 ** -6
+    g = 2.0**-6
     n, k = 128, 64
     gen = _gen(4)
     w64 = torch.randn(n, k, generator=gen, dtype=torch.float64).clamp(-5, 5)
@@ -157,8 +157,8 @@ def test_zero_blocks():
     assert not torch.isnan(deq).any()
     for r, c0 in [(3, 80), (7, 0), (7, 240), (200, 0)]:
         assert s[r, c0 // 16].item() == 0
-        assert bool((c[r, c0:c0 + 16] == 0).all())
-        assert bool((deq[r, c0:c0 + 16] == 0).all())
+        assert bool((c[r, c0 : c0 + 16] == 0).all())
+        assert bool((deq[r, c0 : c0 + 16] == 0).all())
     assert s[4, 5].item() != 0  # neighbours are real blocks
     # all-zero weight: global scale guard
     pz, sz, gz = nvfp4.quantize(torch.zeros(128, 64, dtype=torch.bfloat16))
@@ -249,7 +249,7 @@ def test_swizzle_pads_rows():
 
 
 def _bf16_ulp(x):
-    e = torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -120)))
+    e = torch.floor(torch.log2(x.abs().clamp(min=2.0**-120)))
     return torch.exp2(e - 7)
 
 
@@ -294,7 +294,7 @@ def _loop_qk_norm_rope(qkv, qw, kw, eps, table, positions, nq, nkv, round_qkv):
     for t in range(m):
         p = int(positions[t])
         for hi in range(nq + 2 * nkv):
-            h = src[t, hi * 128:(hi + 1) * 128].tolist()
+            h = src[t, hi * 128 : (hi + 1) * 128].tolist()
             if hi >= nq + nkv:
                 v[t, hi - nq - nkv] = torch.tensor(h, dtype=torch.float64)
                 continue
@@ -365,8 +365,11 @@ def test_make_cos_sin_cache():
     assert t.dtype == torch.float32 and t.shape == (300, 128)
     assert bool((t[0, :64] == 1).all()) and bool((t[0, 64:] == 0).all())
     gen = _gen(14)
-    for p, i in zip(torch.randint(0, 300, (50,), generator=gen).tolist(),
-                    torch.randint(0, 64, (50,), generator=gen).tolist(), strict=True):
+    for p, i in zip(
+        torch.randint(0, 300, (50,), generator=gen).tolist(),
+        torch.randint(0, 64, (50,), generator=gen).tolist(),
+        strict=True,
+    ):
         z = cmath.exp(1j * p * 10000.0 ** (-2 * i / 128))
         assert t[p, i].item() == torch.tensor(z.real, dtype=torch.float32).item()
         assert t[p, 64 + i].item() == torch.tensor(z.imag, dtype=torch.float32).item()
@@ -423,10 +426,9 @@ def test_qkv_fused_ref_chain():
     torch.testing.assert_close(qkv, xn.double() @ wd.T, rtol=1e-12, atol=1e-12)
     q, k, v = ref.qk_norm_rope_ref(qkv.bfloat16(), qw, kw, qk_eps, table, pos, nq, nkv)
     assert torch.equal(out["q"], q) and torch.equal(out["k"], k) and torch.equal(out["v"], v)
-    assert torch.equal(v.reshape(m, -1), qkv[:, (nq + nkv) * 128:].bfloat16().double())
+    assert torch.equal(v.reshape(m, -1), qkv[:, (nq + nkv) * 128 :].bfloat16().double())
     # an fp32 chain stays within the tolerance of docs/numerics.md §6 of the float64 one
-    out32 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv,
-                              dtype=torch.float32)
+    out32 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv, dtype=torch.float32)
     out64 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv)
     assert out32["residual_out"] is x
     for key in ("q", "k", "v"):
