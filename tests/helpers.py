@@ -280,12 +280,17 @@ def check(c: dict, q: torch.Tensor, res_out: torch.Tensor, k_before: torch.Tenso
     residual), q within 1e-2 (relative Frobenius), every element within ELEMENT_TOL of its head's RMS, and
     NaN-free; the caches changed exactly at the mapped slots (NaN-poison pattern of expected_cache) and right
     there: BF16 as q, FP8 within fp8_close of the reference (k_scale / v_scale of the case)."""
-    m, nq = c["x"].shape[0], c["num_q_heads"]
-    ref = reference(c)
     if c["residual"] is None:
         assert res_out.data_ptr() == c["x"].data_ptr(), "residual_out must be x itself without a residual"
     else:
         assert torch.equal(res_out, rms_norm_ref(c["x"], c["residual"], c["norm_weight"], c["eps"])[1])
+    check_q_and_caches(c, q, k_before, v_before)
+
+
+def check_q_and_caches(c: dict, q: torch.Tensor, k_before: torch.Tensor, v_before: torch.Tensor):
+    """check() but residual_out: q and the caches of case c against the float64 reference."""
+    m, nq = c["x"].shape[0], c["num_q_heads"]
+    ref = reference(c)
     _check_q(q, ref["q"], m, nq, c["x"].device)
     check_caches(c, ref["k"], ref["v"], k_before, v_before, m)
 
