@@ -1,9 +1,12 @@
 """Stopping a real build (the CLI in a subprocess, a fresh cache so it really compiles): SIGINT as a
 terminal's Ctrl-C sends it (to the whole foreground process group) and SIGTERM to the builder alone.
-Either stops the build within 2 s with status 130 / 143 and one line saying what was kept; no compile keeps
-running or starts afterwards; the bundle in place is untouched; the cache holds exactly the finished
-compiles, each intact; nothing is left in the temp dir."""
+The running compiles are frozen (SIGSTOP) before the signal, so the build can end only by killing them: it
+must exit (STOP_TIMEOUT_S is the failure mode, not a speed requirement) with status 130 / 143 and one line
+saying what was kept; the frozen compiles are gone, no compile keeps running or starts afterwards; the
+bundle in place is untouched; the cache holds exactly the finished compiles, each intact; nothing is left
+in the temp dir."""
 
+import contextlib
 import os
 import re
 import signal
@@ -17,6 +20,7 @@ from tests.conftest import ROOT, needs_dsl
 
 pytestmark = needs_dsl
 
+STOP_TIMEOUT_S = 60  # a build that has not exited this long after the signal waits for its compiles: failed
 # 8 specializations, ~1-3 s each on the CI machine
 CONFIG = (
     "archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n"
@@ -54,23 +58,27 @@ class Build:
             time.sleep(0.02)
         raise AssertionError(f"still waiting after {timeout} s:\n" + "\n".join(self.lines))
 
-    def signal_and_wait(self, sig: int, group: bool) -> float:
-        t0 = time.monotonic()
+    def signal_and_wait(self, sig: int, group: bool) -> None:
+        """Send sig (to the builder's process group, or to the builder alone) and wait for it to exit; a
+        builder still running after STOP_TIMEOUT_S is killed and the test fails."""
         (os.killpg if group else os.kill)(self.p.pid, sig)
         try:
-            self.p.wait(10)
+            self.p.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the build did not exit within {STOP_TIMEOUT_S} s of {signal.Signals(sig).name}:\n"
+                + "\n".join(self.lines)
+            ) from None
         finally:
             if self.p.poll() is None:
                 os.killpg(self.p.pid, signal.SIGKILL)
-        seconds = time.monotonic() - t0
         self.stdout = self.p.stdout.read()
         self._t.join(5)
-        return seconds
 
 
-def _compiles_running(marker: str) -> list[str]:
-    """Command lines of live processes mentioning marker (the test's own cache path)."""
-    found = []
+def _compile_pids(marker: str) -> dict[int, str]:
+    """{pid: command line} of the live compile processes mentioning marker (the test's own cache path)."""
+    found = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
@@ -78,8 +86,49 @@ def _compiles_running(marker: str) -> list[str]:
             except OSError:
                 continue
             if "flint_aot.compile_one" in cmd and marker in cmd:
-                found.append(cmd)
+                found[int(d.name)] = cmd
     return found
+
+
+def _compiles_running(marker: str) -> list[str]:
+    """Command lines of live processes mentioning marker (the test's own cache path)."""
+    return list(_compile_pids(marker).values())
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+@contextlib.contextmanager
+def _frozen_compiles(marker: str, at_least: int):
+    """SIGSTOP the process group of every compile of the build (each is its own session's leader) until at
+    least `at_least` are frozen and none runs: a compile that ended while the set was being taken lets the
+    builder start another, which is frozen in turn. Frozen compiles cannot finish, so a build that waited
+    for its running compiles instead of killing them would never exit. Yields the frozen pids; whatever
+    is left of them afterwards is killed."""
+    frozen: set[int] = set()
+    try:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while True:
+            running = set(_compile_pids(marker))
+            for pid in running - frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGSTOP)
+                frozen.add(pid)
+            live = [p for p in frozen if p in _compile_pids(marker)]
+            if len(live) >= at_least and running <= frozen and all(map(_stopped, live)):
+                break
+            assert time.monotonic() < deadline, f"could not freeze {at_least} compiles: {running}, {frozen}"
+            time.sleep(0.02)
+        yield sorted(live)
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
 
 
 def _assert_no_compiles_for(marker: str, seconds: float, grace: float = 0.0) -> None:
@@ -125,10 +174,12 @@ def test_ctrl_c_stops_the_build_and_keeps_the_previous_bundle(tmp_path):
 
     b = Build(tmp_path, "c.yaml", "-o", str(out), "-j", "1", "--cache-dir", str(cache))
     b.wait_until(lambda: _cached(cache) >= 1)  # the first compile is in the cache
-    seconds = b.signal_and_wait(signal.SIGINT, group=True)  # what a terminal's Ctrl-C does
+    with _frozen_compiles(str(cache), 1) as frozen:  # the next one runs, frozen
+        b.signal_and_wait(signal.SIGINT, group=True)  # what a terminal's Ctrl-C does
+        gone = not set(frozen) & set(_compile_pids(str(cache)))
     log = "\n".join(b.lines)
     assert b.p.returncode == 130, log
-    assert seconds < 2.0, f"took {seconds:.2f} s to stop"
+    assert gone, f"the frozen compiles {frozen} outlived the build"
     assert "Traceback" not in log and "Aborted" not in log, log
     m = re.fullmatch(
         rf"interrupted \(SIGINT\): (\d) of 8 specializations compiled and cached \((\d) this run, in "
@@ -160,10 +211,12 @@ def test_sigterm_stops_a_parallel_build(tmp_path):
     out, cache = tmp_path / "out" / "bundle", tmp_path / "cache"
     b = Build(tmp_path, "c.yaml", "-o", str(out), "-j", "2", "--cache-dir", str(cache))
     b.wait_until(lambda: len(_compiles_running(str(cache))) == 2)
-    seconds = b.signal_and_wait(signal.SIGTERM, group=False)  # the builder alone, as a supervisor does
+    with _frozen_compiles(str(cache), 2) as frozen:
+        b.signal_and_wait(signal.SIGTERM, group=False)  # the builder alone, as a supervisor does
+        gone = not set(frozen) & set(_compile_pids(str(cache)))
     log = "\n".join(b.lines)
     assert b.p.returncode == 143, log
-    assert seconds < 2.0, f"took {seconds:.2f} s to stop"
+    assert gone, f"the frozen compiles {frozen} outlived the build"
     assert "Traceback" not in log, log
     assert re.fullmatch(
         rf"interrupted \(SIGTERM\): \d of 8 specializations .*; nothing written to {re.escape(str(out))}",
@@ -183,7 +236,7 @@ def test_sigkill_of_the_builder_takes_its_compiles_along(tmp_path):
     b = Build(tmp_path, "c.yaml", "-o", str(tmp_path / "o"), "-j", "2", "--cache-dir", str(cache))
     b.wait_until(lambda: len(_compiles_running(str(cache))) == 2)
     b.signal_and_wait(signal.SIGKILL, group=False)
-    _assert_no_compiles_for(str(cache), 0.5, grace=2.0)
+    _assert_no_compiles_for(str(cache), 0.5, grace=STOP_TIMEOUT_S)
     assert list(cache.glob(".work-*"))  # the killed build's, swept by the next one
     (tmp_path / "one.yaml").write_text("archs: [sm_90a]\nnorm:\n  residual: [false]\n")
     r = subprocess.run(

@@ -62,7 +62,7 @@ def test_e2m1_table_matches_spec():
 
 @pytest.mark.parametrize("n,k,seed", [(256, 512, 1), (384, 2048, 2)])
 def test_quantize_roundtrip_exact(n, k, seed):
-    g = 2.0 ** -10
+    g = 2.0**-10
     w, codes, sbytes = _exact_weights(n, k, g, seed)
     packed, scales, gs = nvfp4.quantize(w)
     assert packed.dtype == torch.uint8 and packed.shape == (n, k // 2)
@@ -82,7 +82,7 @@ def test_quantize_roundtrip_exact(n, k, seed):
 
 
 def test_largest_scale_and_code_survive():
-    g = 2.0 ** -4
+    g = 2.0**-4
     n, k = 128, 64
     gen = _gen(3)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
@@ -104,7 +104,7 @@ def test_largest_scale_and_code_survive():
 
 
 def test_ties_round_to_even_code():
-    g = 2.0 ** -6
+    g = 2.0**-6
     n, k = 128, 64
     gen = _gen(4)
     w64 = torch.randn(n, k, generator=gen, dtype=torch.float64).clamp(-5, 5)
@@ -157,8 +157,8 @@ def test_zero_blocks():
     assert not torch.isnan(deq).any()
     for r, c0 in [(3, 80), (7, 0), (7, 240), (200, 0)]:
         assert s[r, c0 // 16].item() == 0
-        assert bool((c[r, c0:c0 + 16] == 0).all())
-        assert bool((deq[r, c0:c0 + 16] == 0).all())
+        assert bool((c[r, c0 : c0 + 16] == 0).all())
+        assert bool((deq[r, c0 : c0 + 16] == 0).all())
     assert s[4, 5].item() != 0  # neighbours are real blocks
     # all-zero weight: global scale guard
     pz, sz, gz = nvfp4.quantize(torch.zeros(128, 64, dtype=torch.bfloat16))
@@ -249,7 +249,7 @@ def test_swizzle_pads_rows():
 
 
 def _bf16_ulp(x):
-    e = torch.floor(torch.log2(x.abs().clamp(min=2.0 ** -120)))
+    e = torch.floor(torch.log2(x.abs().clamp(min=2.0**-120)))
     return torch.exp2(e - 7)
 
 
@@ -294,7 +294,7 @@ def _loop_qk_norm_rope(qkv, qw, kw, eps, table, positions, nq, nkv, round_qkv):
     for t in range(m):
         p = int(positions[t])
         for hi in range(nq + 2 * nkv):
-            h = src[t, hi * 128:(hi + 1) * 128].tolist()
+            h = src[t, hi * 128 : (hi + 1) * 128].tolist()
             if hi >= nq + nkv:
                 v[t, hi - nq - nkv] = torch.tensor(h, dtype=torch.float64)
                 continue
@@ -365,8 +365,11 @@ def test_make_cos_sin_cache():
     assert t.dtype == torch.float32 and t.shape == (300, 128)
     assert bool((t[0, :64] == 1).all()) and bool((t[0, 64:] == 0).all())
     gen = _gen(14)
-    for p, i in zip(torch.randint(0, 300, (50,), generator=gen).tolist(),
-                    torch.randint(0, 64, (50,), generator=gen).tolist(), strict=True):
+    for p, i in zip(
+        torch.randint(0, 300, (50,), generator=gen).tolist(),
+        torch.randint(0, 64, (50,), generator=gen).tolist(),
+        strict=True,
+    ):
         z = cmath.exp(1j * p * 10000.0 ** (-2 * i / 128))
         assert t[p, i].item() == torch.tensor(z.real, dtype=torch.float32).item()
         assert t[p, 64 + i].item() == torch.tensor(z.imag, dtype=torch.float32).item()
@@ -401,6 +404,10 @@ def test_expected_cache_writes_only_mapped_slots():
 
 
 def test_qkv_fused_ref_chain():
+    """qkv_fused_ref against the chain written out here in float64, with the roundings of docs/numerics.md
+    §1-3 and no code of loader.reference: residual_out exact; xn within one bf16 ulp of the float64 norm
+    (§6: the reference's fp32 statistics may move a rare element); from its xn on, q, k and v to float64
+    accuracy (the bf16 rounding of qkv included: leaving it out moves them by ~2^-9)."""
     gen = _gen(16)
     m, nq, nkv, eps, qk_eps = 3, 4, 2, 1e-6, 1e-6
     n = (nq + 2 * nkv) * 128
@@ -416,17 +423,37 @@ def test_qkv_fused_ref_chain():
     pos = torch.randint(0, 2048, (m,), generator=gen, dtype=torch.int64)
     out = ref.qkv_fused_ref(x, res, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv)
     assert set(out) == {"q", "k", "v", "xn", "residual_out"}
-    xn, r = ref.rms_norm_ref(x, res, nw, eps)
-    assert torch.equal(out["xn"], xn) and torch.equal(out["residual_out"], r)
-    qkv = ref.gemv_ref(xn, wd)
-    assert qkv.dtype == torch.float64 and qkv.shape == (m, n)
-    torch.testing.assert_close(qkv, xn.double() @ wd.T, rtol=1e-12, atol=1e-12)
-    q, k, v = ref.qk_norm_rope_ref(qkv.bfloat16(), qw, kw, qk_eps, table, pos, nq, nkv)
-    assert torch.equal(out["q"], q) and torch.equal(out["k"], k) and torch.equal(out["v"], v)
-    assert torch.equal(v.reshape(m, -1), qkv[:, (nq + nkv) * 128:].bfloat16().double())
+    assert all(out[k].dtype == torch.float64 for k in "qkv")
+    # §1: r = bf16(x + residual), xn = bf16(bf16(r / rms(r)) * w)
+    r = (x.double() + res.double()).bfloat16()
+    assert torch.equal(out["residual_out"].view(torch.int16), r.view(torch.int16))
+    h = r.double()
+    xn64 = ((h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt()).bfloat16().double() * nw.double()).bfloat16()
+    xn = out["xn"]
+    assert xn.dtype == torch.bfloat16 and xn.shape == x.shape
+    diff = (xn.double() - xn64.double()).abs()
+    assert bool((diff <= _bf16_ulp(xn64.double())).all())
+    assert (diff == 0).double().mean().item() >= 0.999
+    # §2-3 from the reference's xn: qkv rounded to bf16 once, per-head norm, NeoX RoPE (complex rotation)
+    qkv = torch.einsum("mk,nk->mn", xn.double(), wd.double()).bfloat16().double().view(m, nq + 2 * nkv, 128)
+    rows = table[pos].double()
+    rot = torch.complex(rows[:, None, :64], rows[:, None, 64:])
+
+    def norm_rope(y, wt):
+        y = y / (y.pow(2).mean(-1, keepdim=True) + qk_eps).sqrt() * wt.double()
+        z = torch.complex(y[..., :64], y[..., 64:]) * rot
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    want = {
+        "q": norm_rope(qkv[:, :nq], qw),
+        "k": norm_rope(qkv[:, nq : nq + nkv], kw),
+        "v": qkv[:, nq + nkv :],
+    }
+    for key, val in want.items():
+        assert out[key].shape == val.shape, key
+        torch.testing.assert_close(out[key], val, rtol=1e-12, atol=1e-12, msg=key)
     # an fp32 chain stays within the tolerance of docs/numerics.md §6 of the float64 one
-    out32 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv,
-                              dtype=torch.float32)
+    out32 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv, dtype=torch.float32)
     out64 = ref.qkv_fused_ref(x, None, nw, eps, wd, qw, kw, qk_eps, table, pos, nq, nkv)
     assert out32["residual_out"] is x
     for key in ("q", "k", "v"):

@@ -4,7 +4,7 @@ code calling the loader's functions, and CUDA-graph capture of the compiled code
 import pytest
 import torch
 
-from tests.helpers import D, check, make_case, op_args
+from tests.helpers import D, check, check_q_and_caches, make_case, op_args
 
 pytestmark = pytest.mark.gpu
 
@@ -89,10 +89,12 @@ def test_compile_without_residual_returns_x(gpu_bundle):
     import loader
 
     c = make_case(2, 16, 2, False, seed=43, residual=False)
+    kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     f = torch.compile(lambda c: loader.flint_qkv_fused(**op_args(c)), fullgraph=True)
     q, r = f(c)
     torch.cuda.synchronize()
     assert torch.equal(r, c["x"])
+    check_q_and_caches(c, q, kb, vb)  # (r == x alone holds for a call that computed nothing)
 
 
 def test_compile_dynamic_m(gpu_bundle):

@@ -4,6 +4,10 @@
 # machine).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+# The slow-producer test (tests/test_qkv_gpu.py::test_slow_producer) needs the debug bundle, carried in
+# build/debug (`flint-aot build configs/debug_slow_producer.yaml -o build/debug`): here its absence fails
+# the test instead of skipping it.
+export FLINT_REQUIRE_DEBUG_BUNDLE=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)"
