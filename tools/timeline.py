@@ -118,7 +118,7 @@ PATCHES = [
     (
         "flint_aot/kernels/qkv.py",
         "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)\n",
-        "                if cutlass.const_expr(i == 0):\n"
+        "                if i == 0:\n"
         "                    cute.arch.mbarrier_wait(s.mbx, 0)\n"
         f"                    _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
         "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)\n" + _GROUP_END,
@@ -131,9 +131,9 @@ PATCHES = [
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "            self.stream_finish(a, t, s, hvs[i], i, scale, rope[i])\n",
-        "            self.stream_finish(a, t, s, hvs[i], i, scale, rope[i])\n"
-        f"            _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(core.runtime_zero([device.f32_bits(hvs[i])], a.m)))\n",
+        "                self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)\n\n",
+        "                self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)\n"
+        f"        _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(a.m >> 31))\n\n",
     ),
     (
         "flint_aot/kernels/norm.py",
