@@ -212,12 +212,12 @@ def test_float64_op_matches_hf_modules():
     "weights,kv", [("bf16", "bf16"), ("nvfp4", "bf16"), ("bf16", "fp8")], ids=["bf16", "nvfp4", "fp8-cache"]
 )
 def test_gpu_loader_backend(example, gpu_bundle, weights, kv, capsys):
-    """4 layers, 16 steps through loader.flint_qkv_fused (eager and CUDA graph) against the model, and 16
-    sequences decoding together (M = 16)."""
+    """4 layers, 16 steps through loader.flint_qkv_fused (eager and CUDA graph) against the model, and 64
+    sequences decoding together (M = 64, the op's largest tile)."""
     # no --bundle: the example uses the bundle gpu_bundle loaded (a reload would unload the kernels that
     # other tests' graphs may hold)
     args = ["--backend", "loader", "--layers", "4", "--steps", "16", "--weights", weights, "--kv-cache", kv,
-            "--no-latency", "--batch", "16"]  # fmt: skip
+            "--no-latency", "--batch", "64"]  # fmt: skip
     r = example.run(args)
     assert str(gpu_bundle.path) in capsys.readouterr().out
     assert r["passed"], r["checks"]
@@ -225,4 +225,4 @@ def test_gpu_loader_backend(example, gpu_bundle, weights, kv, capsys):
         if c["bound"] is not None:
             assert c["max"] <= c["bound"], name
     assert r["comparisons"]["ours CUDA graph vs model"]["ok"]
-    assert r["batch"]["ok"] and len(r["batch"]["lens"]) == 16  # 16 sequences: the op at M = 16
+    assert r["batch"]["ok"] and len(r["batch"]["lens"]) == 64  # 64 sequences: the op at M = 64

@@ -101,16 +101,18 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
     x_loads = [ln for ln in sass if re.search(r"\bLDG\.E\.128\b", ln) and "CONSTANT" not in ln]
     bulk = [ln for ln in sass if "UBLKCP" in ln]
     groups = tile // 8  # of 8 tokens
-    assert sum(bool(re.search(r"\bHMMA\.16816\.F32\.BF16\b", ln)) for ln in after) == 32 * groups
+    # one group's MMAs: the 8-token kernels' (straight-line), the stream's loop body (a loop at run time)
+    assert sum(bool(re.search(r"\bHMMA\.16816\.F32\.BF16\b", ln)) for ln in after) == 32
     if kind == "qkv" or tile > 8:  # x fragments from shared memory
-        assert sum(bool(re.search(r"\bLDS\.128\b", ln)) for ln in after) >= 16 * groups
+        assert sum(bool(re.search(r"\bLDS\.128\b", ln)) for ln in after) >= 16
     if tile > 8:  # the token stream: each group's partial sums to their owners, 2 x 8 bytes per thread
-        assert sum(bool(re.search(r"\bSTAS\.64\b", ln)) for ln in after) >= 2 * groups
-        if norm != "prologue":  # one bulk copy per group (its tokens' K quarter), after the copier's wait
-            assert len(bulk) == groups and all(ln in after for ln in bulk) and not x_loads
+        assert sum(bool(re.search(r"\bSTAS\.64\b", ln)) for ln in after) >= 2
+        if norm != "prologue":  # bulk copies of the groups' K quarters (and RoPE coefficients), after the
+            # copier's own wait; no x from global memory
+            assert len(bulk) >= 2 and all(ln in after for ln in bulk) and not x_loads
             assert not any("MULTICAST" in ln for ln in bulk)
         else:  # x and the residual read twice per token (the sums, then the group's normalisation)
-            assert not bulk and x_loads and all(ln in after for ln in x_loads)
+            assert x_loads and all(ln in after for ln in x_loads)
     elif norm == "separate":  # xn read once per cluster: one multicast bulk copy, after the copier's own wait
         assert len(bulk) == 1 and "MULTICAST" in bulk[0] and bulk[0] in after and not x_loads
     elif norm == "prologue":  # each CTA reads its slice of x and the residual (4 warps x 2 tokens, with and
@@ -136,16 +138,18 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
 
 @pytest.mark.parametrize("kind,fmt,norm", [("qkv", "bf16", "separate"), ("qkv", "nvfp4", "prologue"),
                                            ("gemv", "bf16", None)])  # fmt: skip
-def test_stream_shared_memory_does_not_grow(kind, fmt, norm):
-    """The token stream's shared memory, static and dynamic, is the same for 32 and 64 tokens (a 4-stage x
-    ring of 8 tokens' K quarter, 4 slots of partial sums and exchange), and with three CTAs it leaves most of
-    the SM's 228 KB to L1."""
+def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
+    """The token stream's x ring (dynamic shared memory: 3 stages of 8 tokens' K quarter) is the same for 32
+    and 64 tokens, and the code is the same loop: what grows with the tile is only the owner's per-group
+    buffers (partial sums, the exchange, slots and RoPE coefficients), at most 4 KB per group of 8 tokens;
+    three CTAs leave most of the SM's 228 KB to L1."""
     sizes = []
     for tile in (32, 64):
         c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")
         sizes.append((_static_smem(c.cubin), c.dyn_smem))
-    assert sizes[0] == sizes[1], sizes
-    assert 3 * sum(sizes[0]) <= 160 * 1024, sizes
+    (s32, d32), (s64, d64) = sizes
+    assert d32 == d64 > 0 and 0 <= s64 - s32 <= 4 * 4096, sizes
+    assert 3 * (s64 + d64) <= 176 * 1024, sizes
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
