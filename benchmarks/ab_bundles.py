@@ -66,7 +66,7 @@ def main():
                         try:
                             same[b, d] = results(chain, op, m, d)
                         except LookupError:  # the bundle lacks the variant (e.g. a tile it does not have)
-                            print(f"| {op} | ({nq},{nkv}) | {fmt} | {m} | {b} | {d} | – | – | not in bundle |")
+                            print(f"| {op} | ({nq},{nkv}) | {fmt} | {m} | {b} | {d} | – | – | not in it |")
                 if not same:
                     continue
                 ref = next(iter(same.values()))

@@ -41,7 +41,7 @@ def main():
     a = ap.parse_args()
     loader.load_bundle(a.bundle)
     torch.manual_seed(0)
-    print("| heads | weights | M | prologue µs/layer | two-kernel µs/layer | loader's eager choice | faster |")
+    print("| heads | weights | M | prologue µs/layer | two-kernel µs/layer | the loader's choice | faster |")
     print("|---|---|---|---|---|---|---|")
     for h in a.heads:
         nq, nkv = (int(v) for v in h.split("x"))

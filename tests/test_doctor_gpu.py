@@ -23,9 +23,9 @@ def test_doctor_passes_on_the_bundle(gpu_bundle):
     entries = [e for e in gpu_bundle.manifest.kernels if e.arch == "sm_90a"]
     rows = [ln.split() for ln in r.output.splitlines()[2:] if "variants pass" not in ln]
     rows = [cols for cols in rows if len(cols) >= 5]  # variant, M=m, error, result, ms
-    # each variant at M = 1 and 8 (the 8-token kernels and the tile-less ones) and 16 (the 16-token ones, and
-    # the tile-less ones)
-    want = sum({8: 2, 16: 1}.get(e.spec.get("max_m"), 3) for e in entries)
+    # each variant at the M of the doctor's default (1, 8, 9, 32, 64) that run it: the 8-token kernels at 1
+    # and 8, the 16-, 32- and 64-token ones at 9, 32 and 64, the tile-less ones at all five
+    want = sum({8: 2, 16: 1, 32: 1, 64: 1}.get(e.spec.get("max_m"), 5) for e in entries)
     assert len(rows) == want and {cols[0] for cols in rows} == {e.name for e in entries}
     assert [cols[3] for cols in rows] == ["pass"] * want and f"{want} of {want} variants pass" in r.output
 

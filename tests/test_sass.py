@@ -78,7 +78,8 @@ def _spec(kind, fmt, kv, norm, tile):
 
 
 GEMV_CASES = [("qkv", fmt, kv, norm, tile) for fmt in ("bf16", "nvfp4") for norm in ("separate", "prologue")
-              for kv in ("bf16", "fp8_e4m3") for tile in (8, 16, 64) if kv == "bf16" or norm == "prologue"] + [
+              for kv in ("bf16", "fp8_e4m3") for tile in (8, 16, 64)
+              if kv == "bf16" or norm == "prologue"] + [
     ("gemv", fmt, None, None, tile) for fmt in ("bf16", "nvfp4") for tile in (8, 16, 64)]  # fmt: skip
 
 
@@ -100,7 +101,6 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
     assert len(weights) == (32 if fmt == "bf16" else 16)  # 16 B each (BF16); 8 x 16 B codes + 8 x 4 B scales
     x_loads = [ln for ln in sass if re.search(r"\bLDG\.E\.128\b", ln) and "CONSTANT" not in ln]
     bulk = [ln for ln in sass if "UBLKCP" in ln]
-    groups = tile // 8  # of 8 tokens
     # one group's MMAs: the 8-token kernels' (straight-line), the stream's loop body (a loop at run time)
     assert sum(bool(re.search(r"\bHMMA\.16816\.F32\.BF16\b", ln)) for ln in after) == 32
     if kind == "qkv" or tile > 8:  # x fragments from shared memory

@@ -25,7 +25,9 @@ def test_every_anchor_is_found_once(tmp_path):
     dst = _instrument(tmp_path)
     qkv = (dst / "flint_aot/kernels/qkv.py").read_text()
     norm = (dst / "flint_aot/kernels/norm.py").read_text()
-    assert all(f"v_scale + (cta * 8 + {i})" in qkv for i in range(8))  # T0..T6 and the SM id
+    assert all(f"v_scale + (cta * 16 + {i})" in qkv for i in (0, 1, 7))  # T0, T1 and the SM id
+    assert all(f"v_scale + (t.cta * 16 + {i})" in qkv for i in range(2, 7))  # T2..T6
+    assert "v_scale + (t.cta * 16 + 8 + i)" in qkv  # the token stream's groups' MMA ends
     assert all(f"trace + (row * 8 + {i}) * 2" in norm for i in (1, 2, 3, 7))
     assert "TRACE_CB(st" in (dst / "flint_aot/kernels/gemv_core.py").read_text()
     assert "debug" not in (dst / "configs/timeline.yaml").read_text()  # no serving keys changed
@@ -34,7 +36,7 @@ def test_every_anchor_is_found_once(tmp_path):
 
 
 @needs_dsl
-@pytest.mark.parametrize("tile", [8, 16])
+@pytest.mark.parametrize("tile", [8, 64])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt, tile):
     from tests.test_sass import _sass

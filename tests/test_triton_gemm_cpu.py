@@ -77,8 +77,13 @@ CASES = [f"m={m}" for m in MS] + ["workspace", "bad_arguments"]
 
 @pytest.fixture(scope="module")
 def results():
-    """Every case run once in one fresh interpreter (TRITON_INTERPRET=1): case -> 'ok' or the failure."""
-    pytest.importorskip("triton")
+    """Every case run once in one fresh interpreter (TRITON_INTERPRET=1): case -> 'ok' or the failure.
+    Triton before 3.9 (the H200 machine's 3.6) has an interpreter that cannot run the kernel ("only
+    0-dimensional arrays can be converted to Python scalars"): skipped there; bench_qkv.py checks every
+    config on the GPU."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"triton {triton.__version__}: its interpreter cannot run the kernel (3.9 can)")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, __file__, *CASES], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)  # fmt: skip

@@ -1,7 +1,7 @@
 """Fused qkv calls for compute-sanitizer (memcheck / racecheck / synccheck): both weight formats, both designs
 (the input norm in the qkv kernel's prologue, and the two-kernel design), BF16 and FP8 caches, with and
-without a residual, M = 3, 8 (the 8-token tile), 16, 33 and 64 (the token stream's tiles), bad slots among them;
-then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
+without a residual, M = 1, 3, 8 (the 8-token tile), 16, 33 and 64 (the token stream's tiles), bad slots among
+them; then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
 
     compute-sanitizer --tool racecheck --report-api-errors no python3 tools/sanitize_case.py [M ...]
 

@@ -47,7 +47,7 @@ class Kernel:
     kind = ""  # a built-in kind's name (its grid rule, loader.abi.GRID); plugins leave it empty
     block: tuple = (128, 1, 1)  # baked into the cubin (.reqntid): every launch uses exactly this block
     cluster: tuple = (1, 1, 1)  # a launch attribute, recorded in the manifest
-    grid: tuple | None = None  # a built-in specialization's own grid rule (abi.GRID_SYMBOLS); None: the kind's
+    grid: tuple | None = None  # a built-in specialization's grid rule (abi.GRID_SYMBOLS); None: the kind's
     dyn_smem = 0  # dynamic shared memory the kernel may use (bytes): the loader allows launches up to it
     dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave

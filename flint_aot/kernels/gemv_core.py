@@ -160,8 +160,8 @@ def reduce_rows(d, tid, red):
 
 
 def sum_quarters(red, tid):
-    """Row tid % 16, token tid // 16 of the four K quarters' partial sums in red ([quarter][row][token], fp32),
-    added in quarter order 0, 1, 2, 3: the one summation order of every GEMV kernel."""
+    """Row tid % 16, token tid // 16 of the four K quarters' partial sums in red ([quarter][row][token],
+    fp32), added in quarter order 0, 1, 2, 3: the one summation order of every GEMV kernel."""
     r, tk = tid % ROWS, tid // ROWS
     s = red[r * 8 + tk]
     for q in range(1, WARPS):
@@ -299,8 +299,8 @@ def fp4_mma_partials(D, x, tok, tid, m, kx=None):
         xp = fp4_x_pairs(X[i])
         a, b = D[0][i], D[1][i]
         for h in range(2):
-            acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]), (xp[2 * h], xp[2 * h + 1]),
-                                   acc[h]))  # fmt: skip
+            acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
+                                   (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
     return [acc[0][i] + acc[1][i] for i in range(4)]
 
 
@@ -397,10 +397,11 @@ class CtaGemv:
 #   STAGES stages in dynamic shared memory, each refilled as soon as every warp has read it); each weight
 #   fragment, held in registers for the whole call, meets every group;
 # * after each group's MMAs every warp sends its 16 x 8 partial sums to the rank that owns its row block
-#   (4 h + w), by st.async, and goes on to the next group without waiting for anyone: the owner adds the four
-#   quarters (sum_quarters, in order 0..3) of every group once its own MMAs are done, holding, like the 8-token
-#   kernel after reduce_rows, the sum of row tid % 16, token 8 i + tid // 16. (Waiting for a peer's group after
-#   each group, as a first version did, paid a DSMEM round trip per group: 1.2-1.5 us, BENCHMARKS.md.)
+#   (4 h + w), by st.async, and goes on to the next group without waiting for anyone: the owner adds the
+#   four quarters (sum_quarters, in order 0..3) of every group once its own MMAs are done, holding, like the
+#   8-token kernel after reduce_rows, the sum of row tid % 16, token 8 i + tid // 16. (Waiting for a peer's
+#   group after each group, as a first version did, paid a DSMEM round trip per group: 1.2-1.5 us,
+#   BENCHMARKS.md.)
 QUARTER = K // WARPS  # k per quarter (512)
 GROUP = 8  # tokens per group: one mma.sync N
 STAGES = 3  # x ring depth: a group's bulk copies are issued 2 groups before its MMAs
@@ -454,16 +455,16 @@ class StreamGemv:
 
     @cute.jit
     def fill(self, xs, mbx, x, q, i, m, tid):
-        """Group i's tokens, quarter q of their rows of x (bf16 [m, K], written by the predecessor: the calling
-        threads, tid < 8, have waited for it), into ring stage i % stages: one 1 KB bulk copy per token, thread
-        0 arming the stage's mbarrier for them."""
+        """Group i's tokens, quarter q of their rows of x (bf16 [m, K], written by the predecessor: the
+        calling threads, tid < 8, have waited for it), into ring stage i % stages: one 1 KB bulk copy per
+        token, thread 0 arming the stage's mbarrier for them."""
         stg = i % self.stages
         n = cutlass.min(m - GROUP * i, GROUP)
         if tid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (QUARTER * 2))
         if tid < n:
-            bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER), mbx + stg,
-                      QUARTER * 2)  # fmt: skip
+            bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER),
+                      mbx + stg, QUARTER * 2)  # fmt: skip
 
     def stage(self, xs, mbx, i, wait: bool = True):
         """Ring stage of group i as a SharedX (after waiting for its copies, if wait)."""
@@ -486,7 +487,8 @@ class StreamGemv:
         owner = rank - q + warp
         for half in range(2):
             cute.arch.store_async_dsmem(red + (base + half * 8 * GROUP),
-                                        (as_i32(d[2 * half]), as_i32(d[2 * half + 1])), mbr + i, owner)  # fmt: skip
+                                        (as_i32(d[2 * half]), as_i32(d[2 * half + 1])), mbr + i,
+                                        owner)  # fmt: skip
 
     def total(self, st, red, mbr, i, tid):
         """Owner: the fp32 sum of row tid % 16 of its row block, token 8 i + tid // 16 (quarters in order),

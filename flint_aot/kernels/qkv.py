@@ -73,7 +73,8 @@ class QkvKernel(Kernel):
         self.streamed = self.tile > GROUP  # the token stream (docs/kernels.md §2.5)
         if self.streamed:
             # (the prologue design fills its ring itself, one group ahead: 2 stages)
-            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, 2 if self.prologue else core.STAGES)
+            stages = 2 if self.prologue else core.STAGES
+            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages)
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
         else:
@@ -254,7 +255,7 @@ class QkvKernel(Kernel):
                 device.store_vec(s.xs + off, device.norm_apply(r, sc, w[j]), NORM_VEC)
         cute.arch.sync_threads()
 
-    # ------------------------------------------------------------------- the token stream (docs/kernels.md §2.5)
+    # ---------------------------------------------------------------- the token stream (docs/kernels.md §2.5)
     def stream_kernel(self, a, t):
         """Tiles 16, 32, 64: the CTA of rank 4 h + q computes K quarter q of the head's rows 64 h .. 64 h + 63
         (gemv_core.StreamGemv) for one group of 8 tokens after another, sending each group's partial sums to
@@ -287,8 +288,8 @@ class QkvKernel(Kernel):
     @cute.jit
     def stream_shared(self, a, t):
         """The stream's shared memory (gemv_core.StreamGemv.alloc), the epilogue's exchange buffers and
-        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written), position (-1:
-        outside the table) and, with RoPE, the cos|sin of this CTA's 16 dims at that position, on mbm (8
+        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written), position
+        (-1: outside the table) and, with RoPE, the cos|sin of this CTA's 16 dims at that position, on mbm (8
         arrivals, and the bulk copies of the coefficients); prologue design: ssn [token][virtual warp], the 8
         slice sums of squares of each token, on mbn. Initialised before the cluster arrive."""
         xs, red, mbx, mbr = self.core.alloc()
@@ -427,10 +428,10 @@ class QkvKernel(Kernel):
     @cute.jit
     def stream_norm_sums(self, a, t, s, q):
         """The prologue design's input RMSNorm, first pass: CTA 4 h + q computes, for every token (warp w:
-        tokens w, w + 4, ..), the sums of squares of r = bf16(x + residual) over the norm kernel's virtual warps
-        2 q and 2 q + 1 (k in [512 q, 512 q + 512): the same chunks, lanes and butterfly) and sends both to the
-        4 CTAs of its half (which hold the other quarters), on mbn. The first head's CTAs of half 0 write
-        residual_out."""
+        tokens w, w + 4, ..), the sums of squares of r = bf16(x + residual) over the norm kernel's virtual
+        warps 2 q and 2 q + 1 (k in [512 q, 512 q + 512): the same chunks, lanes and butterfly) and sends both
+        to the 4 CTAs of its half (which hold the other quarters), on mbn. The first head's CTAs of half 0
+        write residual_out."""
         cute.arch.cluster_wait()
         cute.arch.griddepcontrol_wait()
         warp, lane, _, _ = device.lanes(t.tid)
@@ -476,7 +477,7 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_norm_row(self, a, t, s, q, stage, row, tok, col, res: cutlass.Constexpr):
-        nw = device.load_vec(a.norm_weight + (q * core.QUARTER + col), NORM_VEC)  # (an L1 hit after the first)
+        nw = device.load_vec(a.norm_weight + (q * core.QUARTER + col), NORM_VEC)  # (L1 hits after the first)
         sn = cute.make_tensor(s.ssn, cute.make_layout(self.tile * CLUSTER))
         sc = device.norm_scale([sn[tok * CLUSTER + v] for v in range(CLUSTER)], a.eps)
         off = cute.assume(tok * core.K + q * core.QUARTER + col, divby=NORM_VEC)
@@ -496,7 +497,7 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def epilogue_inputs(self, a, t, i: cutlass.Constexpr):
-        """Per-token inputs of the epilogue of group i (this thread's token 8 i + tk): slot, RoPE coefficients,
+        """Per-token inputs of the epilogue of group i (this thread's token 8 i + tk): slot, RoPE coeffs,
         issued after the wait so their latency hides under the MMAs."""
         tok = GROUP * i + t.tk
         slot = Int64(-1)
@@ -565,8 +566,8 @@ class QkvKernel(Kernel):
                 if t.head < self.nq:
                     device.put(a.q, tok * (self.nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yb)
                 else:
-                    device.store_cache(a.k_cache, slot, *self.geometry(a), t.head - self.nq, t.dim, yb, self.fp8,
-                                       scale, self.streamed)  # fmt: skip
+                    device.store_cache(a.k_cache, slot, *self.geometry(a), t.head - self.nq, t.dim, yb,
+                                       self.fp8, scale, self.streamed)  # fmt: skip
 
     def ptr_types(self) -> dict:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
