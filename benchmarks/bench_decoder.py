@@ -45,9 +45,9 @@ EPS = 1e-6
 # The final hidden state of a variant against torch eager's, max|a - b| / max|b|: the variants round
 # differently (the op: fp32 norm and RoPE with one bf16 rounding; torch: bf16 between ops), and the random
 # model carries that through the layers: measured on the H200 2.4-3.2 % after 28 layers for every variant,
-# torch.compile's own included (BENCHMARKS.md §0.7), 0.49 % on the CPU after one layer. A broken attention
-# input moves it further: planted in the torch variant on the CPU (1 layer, M = 2), q zeroed 16 %, RoPE at
-# position 0 12 %, k/v not written to the cache 4.4 %, residual_out = x 68 %.
+# torch.compile's own included (docs/benchmarks-history.md §0.7), 0.49 % on the CPU after one layer. A broken
+# attention input moves it further: planted in the torch variant on the CPU (1 layer, M = 2), q zeroed 16 %,
+# RoPE at position 0 12 %, k/v not written to the cache 4.4 %, residual_out = x 68 %.
 MAX_ERROR = 0.06
 
 

@@ -1,7 +1,6 @@
-"""Peer benchmark (BENCHMARKS.md §3): per-layer time of the fused op against the unfused paths a user could
-pick,
-all in one run, same harness as bench_qkv.py (CUDA-graph replay of many layers with distinct weights,
-medians, copy bandwidth measured in the same run).
+"""Peer benchmark (docs/benchmarks-history.md §3): per-layer time of the fused op against the unfused paths a
+user could pick, all in one run, same harness as bench_qkv.py (CUDA-graph replay of many layers with distinct
+weights, medians, copy bandwidth measured in the same run).
 
     PYTHONPATH=. python3 benchmarks/bench_peers.py --json peers.json [--out peers.md] [--no-compile]
     python benchmarks/plot_peers.py peers.json BENCHMARKS_peers.png      # on a machine with matplotlib

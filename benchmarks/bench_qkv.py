@@ -1,7 +1,7 @@
 """Per-layer time of the fused qkv op under CUDA-graph replay of many layers with distinct weights (L2
 defeated): BF16 and NVFP4 weights, both designs (the input norm in the qkv kernel's prologue, and the
 two-kernel design), BF16 and FP8 KV caches, M = 1 .. 64, beside two peers and the device copy bandwidth, all
-in one run (BENCHMARKS.md §1):
+in one run (docs/benchmarks-history.md §1):
 
 * cuBLAS's GEMM alone, torch.matmul(x, W.t(), out=y);
 * a plain Triton GEMM (benchmarks/triton_gemm.py), the best of its config sweep per (heads, M), each config

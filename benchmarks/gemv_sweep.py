@@ -2,7 +2,7 @@
 bandwidth of loader.gemv (BF16 and NVFP4, one CTA per 16 rows) for N rows around multiples of the 132 SMs,
 CUDA-graph replay of many layers with distinct weights (L2 defeated), the copy bandwidth in the same run.
 Whether a layer whose CTAs do not divide evenly over the SMs (heads (16, 2): 160 CTAs) streams slower per
-byte than one that does (BENCHMARKS.md §0.6, "an even load").
+byte than one that does (docs/benchmarks-history.md §0.6, "an even load").
 
     PYTHONPATH=. python3 benchmarks/gemv_sweep.py [--n 2112 2560 ...] [--m 1 8] [--fmt bf16 nvfp4]
 """

@@ -174,8 +174,8 @@ _QKV_VALUES = ("q", "residual_out", "xn", "eps", "qk_eps")  # its other values, 
 # Unless asked for one, the design that costs least where the call is: eagerly, the host's work per call
 # (prologue: one launch, no xn; at M = 16 its GPU time, 14-19 us per layer, is about the host time of an
 # eager call, and the two-kernel design's is 7-11 us for ~5 us more host time); in a CUDA graph, only the
-# GPU's (separate; BENCHMARKS.md §1 and §4). The two give bit-identical results; a design the bundle lacks
-# falls back to the other.
+# GPU's (separate; docs/benchmarks-history.md §1 and §4; measured again at M = 1..64 with the token stream:
+# BENCHMARKS.md §4). The two give bit-identical results; a design the bundle lacks falls back to the other.
 _EAGER, _GRAPH = ("prologue", "separate"), ("separate", "prologue")
 _PREFER = {None: _EAGER, "separate": ("separate",), "prologue": ("prologue",)}  # by launch_options' design
 

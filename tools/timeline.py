@@ -1,5 +1,5 @@
-"""Per-CTA timeline of the fused op under CUDA-graph replay: where a layer's time goes (BENCHMARKS.md §1,
-"What bounds it"). A diagnostic, never a serving build.
+"""Per-CTA timeline of the fused op under CUDA-graph replay: where a layer's time goes (BENCHMARKS.md §2, and
+docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving build.
 
 1. On the CPU machine, instrument a copy of the kernels and build a small bundle from it:
 

@@ -35,7 +35,7 @@ NB = K // 32 // WARPS  # 32-wide k blocks per warp
 def ld_weight(ptr):
     """16 bytes of weights: read once, never written by a predecessor -> non-coherent path, no L1 allocation,
     128-byte L2 fetch (0.1-0.25 us per layer faster for BF16 than the 256-byte hint, the same for NVFP4;
-    BENCHMARKS.md §1)."""
+    docs/benchmarks-history.md §1)."""
     return cute.arch.inline_ptx(
         "ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
         write_only_types=[Int32] * 4,
@@ -185,7 +185,8 @@ FP4_CHUNKS = KB // 16 // WARPS // 4  # 16-byte code chunks per thread per row (4
 FP4_WORDS = FP4_CHUNKS * 4  # 32-bit code words per thread per row (16)
 # code words per row decoded before griddepcontrol.wait, per kernel (weights_then_wait's `pre`): the fused qkv
 # kernel decodes 12 of 16 (measured fastest on the H200: 8 is 0.1-0.2 us per layer slower for (32,4), all 16
-# fit in 167 registers but gain less; BENCHMARKS.md §1); the standalone GEMV 8 (12 takes it to 186 registers)
+# fit in 167 registers but gain less; docs/benchmarks-history.md §1); the standalone GEMV 8 (12 takes it to
+# 186 registers)
 FP4_PRE_QKV = 12
 FP4_PRE_GEMV = 8
 
