@@ -242,12 +242,16 @@ def test_links_in_readme_and_docs_resolve():
 
 
 def test_the_readme_builds_the_bundle_once():
-    """The README's set-up installs, its Quickstart builds: a reader following both builds once."""
+    """The README's first lines are the two commands a newcomer needs (install and build the bundle; install
+    and run the tests), and its Quickstart goes on from the built bundle: a reader following both builds
+    once."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
     builds = [ln for b in blocks for ln in b.splitlines() if "flint-aot build configs/flint.yaml" in ln]
-    assert len(builds) == 1, builds
-    assert "pip install" in blocks[0] and "flint-aot build" not in blocks[0], blocks[0]
+    assert len(builds) == 1 and builds[0] in blocks[0], builds
+    first = blocks[0].replace("\\\n", " ").splitlines()
+    assert len(first) == 2 and all("pip install" in ln for ln in first), first
+    assert "flint-aot build configs/flint.yaml" in first[0] and "pytest" in first[1], first
 
 
 def test_the_examples_readme_pins_transformers_as_the_extra_and_runs_python_one_way():
