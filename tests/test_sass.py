@@ -141,14 +141,15 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
 def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
     """The token stream's x ring (dynamic shared memory: 3 stages of 8 tokens' K quarter) is the same for 32
     and 64 tokens, and the code is the same loop: what grows with the tile is only the owner's per-group
-    buffers (partial sums, the exchange, slots and RoPE coefficients), at most 4 KB per group of 8 tokens;
+    buffers (partial sums, the exchange, slots, RoPE coefficients and the prologue's sums of squares), at most
+    4.2 KB per group of 8 tokens;
     three CTAs leave most of the SM's 228 KB to L1."""
     sizes = []
     for tile in (32, 64):
         c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")
         sizes.append((_static_smem(c.cubin), c.dyn_smem))
     (s32, d32), (s64, d64) = sizes
-    assert d32 == d64 > 0 and 0 <= s64 - s32 <= 4 * 4096, sizes
+    assert d32 == d64 > 0 and 0 <= s64 - s32 <= 4 * 4224, sizes
     assert 3 * (s64 + d64) <= 176 * 1024, sizes
 
 
