@@ -165,7 +165,7 @@ def test_default_config_is_accepted_and_its_kinds_compile(tmp_path):
     assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()  # prepare writes nothing
 
     (tmp_path / "kinds.yaml").write_text(
-        "archs: [sm_90a]\ngemv: {weight_format: [nvfp4], max_m: [16]}\n"
+        "archs: [sm_90a]\ngemv: {weight_format: [nvfp4], max_m: [64]}\n"
         "qk_norm_rope_cache: {rope: [true], kv_cache_dtype: [fp8_e4m3]}\n"
     )
     res = build(tmp_path / "kinds.yaml", tmp_path / "b", cache_dir=tmp_path / "c", jobs=2)

@@ -24,7 +24,7 @@ STOP_TIMEOUT_S = 60  # a build that has not exited this long after the signal wa
 # 8 specializations, ~1-3 s each on the CI machine
 CONFIG = (
     "archs: [sm_90a, sm_100a]\nnorm:\n  residual: [true, false]\n"
-    "qkv:\n  weight_format: [bf16]\n  rope: [true, false]\n  heads: [[8, 1]]\n  max_m: [16]\n"
+    "qkv:\n  weight_format: [bf16]\n  rope: [true, false]\n  heads: [[8, 1]]\n  max_m: [64]\n"
 )
 
 

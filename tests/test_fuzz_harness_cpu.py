@@ -484,9 +484,10 @@ def base_spec(op="qkv", kv="bf16", fmt="bf16", m=3):
         k_norm_weight=T((D,), "bf16", ("randn", 0.3, 1.0)),
         qk_eps=1e-6,
         cos_sin_cache=T((4096, D), "f32", ("table", 4096)),
-        pos_values=[5, 17, 4000, 9, 1, 2, 3, 4, 5, 6, 70, 8, 900, 10, 11, 12, 13][:m],
+        pos_values=[5, 17, 4000, 9, 1, 2, 3, 4, 5, 6, 70, 8, 900, 10, 11, 12, 13, *range(100, 147)][:m],
         positions=T((m,), "i64", ("ints",)),
-        slot_values=[3, 20, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15][:m],
+        # the cache's 32 slots, each once, then negative slots (not written) for tokens 32.. of M = 64
+        slot_values=[3, 20, 0, 1, 2, *range(4, 20), *range(21, 32), *[-1] * 32][:m],
         slot_mapping=T((m,), "i64", ("ints",)),
         caches=dict(layout="separate", nb=2, bs=16, nkv=1, dtype=cdt, vdtype=cdt, koff=0, voff=0, pad=(0, 0),
                     kdev="home", vdev="home"),
