@@ -277,8 +277,8 @@ def _gemv_plan(names, renames, args) -> plans.Plan:
     k = _launcher(dev, "gemv", (fmt, tiles[0]), lambda: [abi.gemv_spec(fmt, t) for t in tiles])
     p = plans.Plan(dev, (), out=_out(x, dev, m, n), names=names)
     consts = dict(m=m, n=n, **({"weight_scale": 0, "global_scale": 0} if fmt == "bf16" else {}))
-    rb = n // abi.ROWS_PER_CTA
-    plans.bind(p, names + ("y",), [(k, {"M": m, "ROW_BLOCKS": rb, "ROW_BLOCKS_4": -(-rb // 4) * 4}, consts,
+    rb, c = n // abi.ROWS_PER_CTA, abi.STREAM_CLUSTER_GEMV  # (ROW_BLOCKS_4: to the stream's cluster)
+    plans.bind(p, names + ("y",), [(k, {"M": m, "ROW_BLOCKS": rb, "ROW_BLOCKS_4": -(-rb // c) * c}, consts,
                                     renames)])  # fmt: skip
     return p
 
