@@ -139,18 +139,20 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
 @pytest.mark.parametrize("kind,fmt,norm", [("qkv", "bf16", "separate"), ("qkv", "nvfp4", "prologue"),
                                            ("gemv", "bf16", None)])  # fmt: skip
 def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
-    """The token stream's x ring (dynamic shared memory: 3 stages of 8 tokens' K quarter) is the same for 32
-    and 64 tokens, and the code is the same loop: what grows with the tile is only the owner's per-group
-    buffers (partial sums, the exchange, slots, RoPE coefficients and the prologue's sums of squares), at most
-    4.2 KB per group of 8 tokens;
-    three CTAs leave most of the SM's 228 KB to L1."""
+    """The token stream's x ring (dynamic shared memory: 3 stages of 8 tokens' K quarter; 2 in the prologue
+    design) is the same for 32 and 64 tokens, and the code is the same loop: what grows with the tile is only
+    the owner's per-group buffers (partial sums, the exchange, slots and positions, the prologue's sums of
+    squares), at most 3.6 KB per group of 8 tokens. And three CTAs of the 64-token kernel fit the 164 KB
+    carveout (1 KB reserved per CTA), which leaves 92 KB of the SM's 256 KB to L1: the weight loads in flight
+    pass through it (a 64-token kernel whose three CTAs took the 228 KB carveout got its weights 2 us later and
+    cost 2.4 us more per layer, BENCHMARKS.md)."""
     sizes = []
     for tile in (32, 64):
         c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")
         sizes.append((_static_smem(c.cubin), c.dyn_smem))
     (s32, d32), (s64, d64) = sizes
-    assert d32 == d64 > 0 and 0 <= s64 - s32 <= 4 * 4224, sizes
-    assert 3 * (s64 + d64) <= 176 * 1024, sizes
+    assert d32 == d64 > 0 and 0 <= s64 - s32 <= 4 * 3712, sizes
+    assert 3 * (s64 + d64 + 1024) <= 164 * 1024, sizes
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -104,9 +104,15 @@ PATCHES = [
     # both: T5 the (last) q/k exchange done
     (
         "flint_aot/kernels/qkv.py",
-        "            cute.arch.mbarrier_wait(mbar, 0)\n",
-        "            cute.arch.mbarrier_wait(mbar, 0)\n"
+        "            cute.arch.mbarrier_wait(buf[2], 0)\n",
+        "            cute.arch.mbarrier_wait(buf[2], 0)\n"
         f"            _tl_store(t.tid, {_T_AT.format(5)}, _tl_time(a.m >> 31))\n",
+    ),
+    (  # (the token stream: after each chunk's last exchange)
+        "flint_aot/kernels/qkv.py",
+        "                        cute.arch.mbarrier_wait(s.mbar + i, 0)\n",
+        "                        cute.arch.mbarrier_wait(s.mbar + i, 0)\n"
+        f"                        _tl_store(t.tid, {_T_AT.format(5)}, _tl_time(a.m >> 31))\n",
     ),
     # the token stream: T2, T3 the first group's x in, each group's MMAs done (words 8 + i), T6
     (
@@ -131,8 +137,8 @@ PATCHES = [
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "                self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)\n\n",
-        "                self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)\n"
+        "                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)\n\n",
+        "                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)\n"
         f"        _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(a.m >> 31))\n\n",
     ),
     (

@@ -159,13 +159,14 @@ def reduce_rows(d, tid, red):
     return sum_quarters(red, tid)
 
 
-def sum_quarters(red, tid):
+def sum_quarters(red, tid, row: int = 8):
     """Row tid % 16, token tid // 16 of the four K quarters' partial sums in red ([quarter][row][token],
-    fp32), added in quarter order 0, 1, 2, 3: the one summation order of every GEMV kernel."""
+    fp32, `row` words a row: 8 tokens and a pad), added in quarter order 0, 1, 2, 3: the one summation order
+    of every GEMV kernel."""
     r, tk = tid % ROWS, tid // ROWS
-    s = red[r * 8 + tk]
+    s = red[r * row + tk]
     for q in range(1, WARPS):
-        s = s + red[q * (ROWS * 8) + r * 8 + tk]
+        s = s + red[q * (ROWS * row) + r * row + tk]
     return s
 
 
@@ -358,6 +359,7 @@ def partial_sums(fp4: bool, st, x, tok, tid, m, kx=None):
     return mma_partials(st["A"], x, tok, tid, st["zero"], kx)
 
 
+
 def scaled(fp4: bool, st, v):
     """A row sum times the global scale (x 2^7) for NVFP4."""
     return v * st["gs"] if fp4 else v
@@ -407,6 +409,11 @@ QUARTER = K // WARPS  # k per quarter (512)
 GROUP = 8  # tokens per group: one mma.sync N
 STAGES = 3  # x ring depth: a group's bulk copies are issued 2 groups before its MMAs
 PART_BYTES = WARPS * ROWS * GROUP * 4  # partial sums one owner receives per group (4 quarters, fp32)
+# their rows in shared memory: 8 tokens and 2 words of pad, so that the owner's reads (a warp: 16 rows x 2
+# tokens) hit 32 different banks (without the pad, 8 banks: 4-way conflicts), and a sender's 8-byte pair of
+# tokens stays aligned
+PART_ROW = GROUP + 2
+PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 
 
 def stream_row(fp4: bool) -> int:
@@ -432,7 +439,7 @@ class StreamGemv:
         """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums
         [group][quarter][row][token] fp32, one mbarrier per stage (x copies) and per group (partial sums)."""
         xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
-        red = cute.arch.alloc_smem(Float32, self.groups * PART_BYTES // 4, alignment=16)
+        red = cute.arch.alloc_smem(Float32, self.groups * PART_WORDS, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, self.stages, alignment=8)
         mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
         return xs, red, mbx, mbr
@@ -484,16 +491,17 @@ class StreamGemv:
         """Group i's partial sums of this warp's row block to its owner, rank 4 h + w, slot [i][q]."""
         warp, _, g, t = lanes(tid)
         q = rank % WARPS
-        base = cute.assume(((i * WARPS + q) * ROWS + g) * GROUP + 2 * t, divby=2)
+        base = cute.assume(((i * WARPS + q) * ROWS + g) * PART_ROW + 2 * t, divby=2)
         owner = rank - q + warp
         for half in range(2):
-            cute.arch.store_async_dsmem(red + (base + half * 8 * GROUP),
+            cute.arch.store_async_dsmem(red + (base + half * 8 * PART_ROW),
                                         (as_i32(d[2 * half]), as_i32(d[2 * half + 1])), mbr + i,
                                         owner)  # fmt: skip
 
-    def total(self, st, red, mbr, i, tid):
+    def total(self, st, red, mbr, i, tid, wait: bool = True):
         """Owner: the fp32 sum of row tid % 16 of its row block, token 8 i + tid // 16 (quarters in order),
-        times the global scale for NVFP4."""
-        cute.arch.mbarrier_wait(mbr + i, 0)
-        part = cute.make_tensor(red + i * (PART_BYTES // 4), cute.make_layout(PART_BYTES // 4))
-        return scaled(self.fp4, st, sum_quarters(part, tid))
+        times the global scale for NVFP4; wait=False: the caller has waited for group i's partial sums."""
+        if wait:
+            cute.arch.mbarrier_wait(mbr + i, 0)
+        part = cute.make_tensor(red + i * PART_WORDS, cute.make_layout(PART_WORDS))
+        return scaled(self.fp4, st, sum_quarters(part, tid, PART_ROW))

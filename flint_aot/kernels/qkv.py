@@ -55,6 +55,7 @@ R = core.ROWS
 K_PART = core.K // CLUSTER  # activations each CTA of a cluster copies for all 8 (tile 8)
 GROUP = core.GROUP
 QUARTERS = core.WARPS  # the token stream: K quarters per row block, CTAs per quad (a quad: 64 rows)
+EPI_CHUNK = 4  # the token stream's epilogue: groups whose arithmetic runs as one straight line
 
 
 class QkvKernel(Kernel):
@@ -80,6 +81,7 @@ class QkvKernel(Kernel):
         else:
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
         self.groups = self.tile // GROUP
+        self.epi_chunk = min(EPI_CHUNK, self.groups)  # the token stream's epilogue, groups per chunk
         self.xrow = core.smem_row(self.fp4)  # tile 8: x of all K per token in shared memory
         # bytes each CTA of a q/k head receives over DSMEM per group of 8 tokens: the 8 ranks' per-token sums
         # of squares, and (RoPE) the 16 x 8 values of its rotation partner (rank ^ 4), as fp32
@@ -263,9 +265,9 @@ class QkvKernel(Kernel):
         owner, the 8-token kernel's epilogue for every group: first every group's sum and exchange, then
         every group's stores, so that each exchange is waited for once, not once per group. Both phases are
         loops over the groups at run time (one copy of their code, not one per group: unrolled, the 64-token
-        kernel's groups each cost up to twice the 16-token kernel's, BENCHMARKS.md). Every token's slot,
-        position and RoPE coefficients are read once, into shared memory, by the threads that copy the first
-        groups of x."""
+        kernel's groups each cost up to twice the 16-token kernel's, BENCHMARKS.md). Every token's slot and
+        position are read once, into shared memory, by one thread per token (the threads of warp 0, and warp 1
+        at 64 tokens)."""
         s = self.stream_shared(a, t)
         q = t.rank % QUARTERS
         row0 = ((t.cta // QUARTERS) * QUARTERS + t.tid // 32) * R  # this warp's row block
@@ -282,16 +284,17 @@ class QkvKernel(Kernel):
         else:
             cute.arch.cluster_wait()  # the peers' mbarriers are initialised (before the first send)
         self.stream_mmas(a, t, s, st, q)
-        cute.arch.mbarrier_wait(s.mbm, 0)  # the slots, positions and RoPE coefficients are in shared memory
+        cute.arch.mbarrier_wait(s.mbm, 0)  # the slots and positions are in shared memory
         self.stream_epilogue(a, t, s, st, scale)
 
     @cute.jit
     def stream_shared(self, a, t):
         """The stream's shared memory (gemv_core.StreamGemv.alloc), the epilogue's exchange buffers and
-        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written), position
-        (-1: outside the table) and, with RoPE, the cos|sin of this CTA's 16 dims at that position, on mbm (8
-        arrivals, and the bulk copies of the coefficients); prologue design: ssn [token][virtual warp], the 8
-        slice sums of squares of each token, on mbn. Initialised before the cluster arrive."""
+        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written) and position
+        (-1: outside the table), on mbm (one arrival per token of the tile); prologue design: ssn
+        [token][virtual warp], the 8 slice sums of squares of each token, on mbn. Initialised before the
+        cluster arrive. (Every KB counts: the shared memory of 3 CTAs sets the SM's carveout, and what is
+        left of the 256 KB is the L1 that the weight loads in flight pass through, BENCHMARKS.md.)"""
         xs, red, mbx, mbr = self.core.alloc()
         groups = self.groups
         ssq = cute.arch.alloc_smem(Float32, groups * CLUSTER * GROUP, alignment=16)
@@ -299,9 +302,6 @@ class QkvKernel(Kernel):
         mbar = cute.arch.alloc_smem(Int64, groups, alignment=8)
         mslot = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
         mpos = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
-        cs = mslot
-        if cutlass.const_expr(self.rope):
-            cs = cute.arch.alloc_smem(Float32, self.tile * 2 * R, alignment=128)  # [token][cos 16 | sin 16]
         mbm = cute.arch.alloc_smem(Int64, 1, alignment=8)
         ssn = ssq
         mbn = mbar
@@ -312,7 +312,7 @@ class QkvKernel(Kernel):
             self.core.arm(xs, red, mbx, mbr)
             for i in cutlass.range_constexpr(groups):
                 cute.arch.mbarrier_init(mbar + i, 1)
-            cute.arch.mbarrier_init(mbm, GROUP)
+            cute.arch.mbarrier_init(mbm, self.tile)
             if cutlass.const_expr(self.prologue):
                 cute.arch.mbarrier_init(mbn, 1)
             cute.arch.mbarrier_init_fence()
@@ -323,13 +323,12 @@ class QkvKernel(Kernel):
                 cute.arch.mbarrier_arrive_and_expect_tx(mbn, a.m * (CLUSTER * 4))
         cute.arch.cluster_arrive_relaxed()
         return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssq=ssq, pv=pv, mbar=mbar, ssn=ssn, mbn=mbn,
-                               mslot=mslot, mpos=mpos, cs=cs, mbm=mbm)  # fmt: skip
+                               mslot=mslot, mpos=mpos, mbm=mbm)  # fmt: skip
 
     def stream_first(self, a, t, s, q):
         """Once the weights are issued (BF16) or after the guarded wait (NVFP4): the separate design's first
         ring stages (threads tid < 8, waiting for the predecessor themselves), or the prologue design's sums
-        of squares (every thread); then threads tid < 8 stage every token's slot, position and RoPE
-        coefficients."""
+        of squares (every thread); then threads tid < tile stage their token's slot and position."""
         if cutlass.const_expr(self.prologue):
             self.stream_norm_sums(a, t, s, q)
         else:
@@ -337,47 +336,40 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_copy_first(self, a, t, s, q):
-        if t.tid < GROUP:
+        if t.tid < self.tile:  # (warp 0, and warp 1 at 64 tokens)
             cute.arch.griddepcontrol_wait()
-            for i in cutlass.range_constexpr(self.core.stages):
-                if GROUP * i < a.m:
-                    self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+            if t.tid < GROUP:
+                for i in cutlass.range_constexpr(self.core.stages):
+                    if GROUP * i < a.m:
+                        self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
             self.stream_meta(a, t, s)
 
     @cute.jit
     def stream_meta(self, a, t, s):
-        """Threads tid < 8, after the wait: tokens tid, tid + 8, ..: the slot as int32 (-1 unless inside the
-        cache, which the loader keeps below 2**31 slots), the position (-1 outside the cos/sin table; tokens
-        past m take token m - 1's) and, with RoPE, one bulk copy each of the cos and the sin of this CTA's 16
-        dims at that position (row 0 for a position outside the table) into shared memory (thread 0 first
-        tells mbm to expect their bytes); then an arrival on mbm."""
-        st = cute.make_tensor(s.mslot, cute.make_layout(self.tile))
-        sp = cute.make_tensor(s.mpos, cute.make_layout(self.tile))
+        """Threads tid < tile, after the wait, one token each (token tid): the slot as int32 (-1 unless inside
+        the cache, which the loader keeps below 2**31 slots) and the position (-1 outside the cos/sin table;
+        tokens past m take token m - 1's) into shared memory; then an arrival on mbm (tile arrivals). One
+        token per thread, so no thread's loads wait behind another token's (8 threads taking 8 tokens each,
+        with the RoPE coefficients' copies depending on each position, made the gap between layers 8.4
+        instead of 3.7 us at M = 64, BENCHMARKS.md)."""
+        tok = t.tid
+        slot = Int64(-1)
+        if tok < a.num_slot_mapping:
+            slot = device.at(a.slot_mapping, tok)[0]
         if cutlass.const_expr(self.rope):
-            if t.tid == 0:
-                cute.arch.mbarrier_expect_tx(s.mbm, self.tile * 2 * R * 4)
-        for j in cutlass.range_constexpr(self.tile // GROUP):
-            tok = t.tid + GROUP * j
-            slot = Int64(-1)
-            if tok < a.num_slot_mapping:
-                slot = device.at(a.slot_mapping, tok)[0]
-            st[tok] = Int32(cutlass.select_(slot >= 0 and slot < a.num_cache_slots, slot, Int64(-1)))
-            if cutlass.const_expr(self.rope):
-                p = device.at(a.positions, cutlass.min(tok, a.m - 1))[0]
-                ok = p >= 0 and p < a.max_pos
-                sp[tok] = Int32(cutlass.select_(ok, p, Int64(-1)))
-                row = a.cos_sin_cache + (Int64(cutlass.select_(ok, p, Int64(0))) * HEAD_DIM
-                                         + (t.rank % (CLUSTER // 2)) * R)  # fmt: skip
-                for half in cutlass.range_constexpr(2):  # cos, then sin (64 further)
-                    device.bulk_copy(s.cs + (tok * 2 + half) * R, row + half * HALF_DIM, s.mbm, R * 4)
+            p = device.at(a.positions, cutlass.min(tok, a.m - 1))[0]
+        device.put(s.mslot, tok, Int32(cutlass.select_(slot >= 0 and slot < a.num_cache_slots, slot, Int64(-1))))
+        if cutlass.const_expr(self.rope):
+            device.put(s.mpos, tok, Int32(cutlass.select_(p >= 0 and p < a.max_pos, p, Int64(-1))))
         cute.arch.mbarrier_arrive(s.mbm)  # (after this thread's stores)
 
     def stream_rope(self, a, t, s, tok):
-        """(ok, cos, sin) of this thread's dim at token tok's position, from shared memory."""
+        """(ok, cos, sin) of this thread's dim at token tok's position (staged by stream_meta: -1 outside the
+        table, which rope_coeffs turns into row 0 and ok = False), read from the table in global memory (the
+        loads are issued before the exchange they are needed after: its latency hides theirs)."""
         if cutlass.const_expr(self.rope):
-            cs = cute.make_tensor(s.cs, cute.make_layout(self.tile * 2 * R))
             p = cute.make_tensor(s.mpos, cute.make_layout(self.tile))[tok]
-            return p >= 0, cs[tok * (2 * R) + t.r], cs[tok * (2 * R) + R + t.r]
+            return device.rope_coeffs(a.cos_sin_cache, Int64(p), a.max_pos, t.dim)
         return True, Float32(1.0), Float32(0.0)
 
     @cute.jit
@@ -386,38 +378,59 @@ class QkvKernel(Kernel):
         refilled (separate design: bulk copies of group i + stages once every warp has read it; prologue
         design: group i + 1 normalised into the other stage after the MMAs, then a CTA barrier)."""
         groups = (a.m + (GROUP - 1)) // GROUP
-        for i in range(groups):
-            if cutlass.const_expr(self.prologue):
+        if cutlass.const_expr(self.prologue):
+            for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)
                 if i + 1 < groups:  # (the other stage: read by group i - 1's MMAs, which every warp ended
                     self.stream_norm_fill(a, t, s, q, i + 1)  # before the last barrier)
                 cute.arch.sync_threads()
-            else:
+                self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
+        else:
+            for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
                 if i + self.core.stages < groups:
                     cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
                     if t.tid < GROUP:
                         self.core.fill(s.xs, s.mbx, a.x, q, i + self.core.stages, a.m, t.tid)
-            self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
+                self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
     def stream_epilogue(self, a, t, s, st, scale):
-        """As owner, for every group (loops at run time): the quarters' sum rounded to bf16 and the
-        epilogue's first half (v head: the cache store; q/k head: the exchange); then, for every group, the
-        second half (q/k head: the norm, RoPE and stores), the sum taken again from shared memory."""
+        """As owner: for every group (a loop at run time), as soon as its quarters are in, their sum rounded
+        to bf16 and the epilogue's first half (v head: the cache store; q/k head: the exchange), so that
+        every exchange is under way while the peers' later groups still arrive; then the second half (q/k
+        head: the norm, RoPE and stores), EPI_CHUNK groups at a time, the sum taken again from shared memory.
+        A chunk waits for all its exchanges first, then runs their arithmetic as one straight line and stores
+        last, so the groups' latencies overlap (with a wait or a store between two groups, they follow one
+        another). Groups past m exist in shared memory; their arithmetic runs on whatever is there, and
+        nothing of it is stored."""
         groups = (a.m + (GROUP - 1)) // GROUP
         for i in range(groups):
-            hv = self.core.total(st, s.red, s.mbr, i, t.tid).to(BFloat16).to(Float32)
+            cute.arch.mbarrier_wait(s.mbr + i, 0)
             tok = GROUP * i + t.tk
-            e = (self.stream_slot(s, tok), *self.stream_rope(a, t, s, tok))
-            self.epilogue_send(a, t, self.group_buffers(s, i), hv, i, scale, e)
+            self.epilogue_send(a, t, self.group_buffers(s, i), self.stream_value(t, s, st, i), i, scale,
+                               (self.stream_slot(s, tok),))  # fmt: skip
         if not t.is_v:
             wn, wp = self.norm_weights(a, t)
-            for i in range(groups):
-                hv = self.core.total(st, s.red, s.mbr, i, t.tid).to(BFloat16).to(Float32)
-                tok = GROUP * i + t.tk
-                e = (self.stream_slot(s, tok), *self.stream_rope(a, t, s, tok))
-                self.epilogue_finish(a, t, self.group_buffers(s, i), hv, i, scale, e, wn, wp)
+            ch = self.epi_chunk
+            for c in range((groups + (ch - 1)) // ch):
+                idx = [c * ch + j for j in range(ch)]
+                es = [(None, *self.stream_rope(a, t, s, GROUP * i + t.tk)) for i in idx]
+                for i in idx:
+                    if i < groups:
+                        cute.arch.mbarrier_wait(s.mbar + i, 0)
+                ys = []
+                for i, e in zip(idx, es):
+                    ys.append(self.finish_value(a, t, self.group_buffers(s, i), self.stream_value(t, s, st, i),
+                                                e, wn, wp))  # fmt: skip
+                for i, yb in zip(idx, ys):
+                    tok = GROUP * i + t.tk
+                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)
+
+    def stream_value(self, t, s, st, i):
+        """Group i's qkv value of this thread (row r, token 8 i + tk), rounded once to bf16 (as fp32); the
+        caller has waited for the group's partial sums."""
+        return self.core.total(st, s.red, s.mbr, i, t.tid, wait=False).to(BFloat16).to(Float32)
 
     def stream_slot(self, s, tok):
         return cute.make_tensor(s.mslot, cute.make_layout(self.tile))[tok]
@@ -442,7 +455,7 @@ class QkvKernel(Kernel):
                     self.stream_norm_sum(a, t, s, q, tok, lane, True)
                 else:
                     self.stream_norm_sum(a, t, s, q, tok, lane, False)
-        if t.tid < GROUP:
+        if t.tid < self.tile:
             self.stream_meta(a, t, s)
 
     @cute.jit
@@ -523,19 +536,29 @@ class QkvKernel(Kernel):
     @cute.jit
     def epilogue_send(self, a, t, buf, hv, i, scale, e):
         """v head: this thread's value (row r, token 8 i + tk) to the paged cache. q/k head: the token's
-        partial sum of squares over this CTA's 16 dims (a 16-lane butterfly) to every CTA of the head (lane r
-        to rank r) and, with RoPE, the value to the rotation partner (rank ^ 4), by st.async on their mbarrier
-        of the group (buf: ssq, pv, mbar)."""
-        ssq, pv, mbar = buf
-        tok = GROUP * i + t.tk
+        partial sum of squares over this CTA's 16 dims (square_sums) to every CTA of the head and, with RoPE,
+        the value to the rotation partner (send_exchange)."""
         if t.is_v:
-            if tok < a.m:
-                device.store_cache(a.v_cache, e[0], *self.geometry(a), t.head - (self.nq + self.nkv), t.dim,
-                                   hv.to(BFloat16), self.fp8, scale, self.streamed)  # fmt: skip
+            self.store_v(a, t, GROUP * i + t.tk, e[0], hv, scale)
         else:
-            part = hv * hv
-            for o in (1, 2, 4, 8):
-                part = part + cute.arch.shuffle_sync_bfly(part, o)
+            (part,) = self.square_sums([hv])
+            self.send_exchange(t, buf, part, hv, True)
+
+    def square_sums(self, hvs):
+        """For each value in hvs (one per group, interleaved): the sum of its squares over the 16 lanes of
+        its token (a butterfly): the token's partial sum over this CTA's 16 dims."""
+        parts = [h * h for h in hvs]
+        for o in (1, 2, 4, 8):
+            parts = [v + cute.arch.shuffle_sync_bfly(v, o) for v in parts]
+        return parts
+
+    @cute.jit
+    def send_exchange(self, t, buf, part, hv, live):
+        """q/k head: the partial sum of squares to every CTA of the head (lane r to rank r) and, with RoPE, the
+        value to the rotation partner (rank ^ 4), by st.async on their mbarrier of the group (buf: ssq, pv,
+        mbar); nothing is sent unless live (the token stream: a group past m)."""
+        ssq, pv, mbar = buf
+        if live:
             if t.r < CLUSTER:  # lane r sends the partial to rank r
                 cute.arch.store_async_dsmem(ssq + (t.rank * GROUP + t.tk), device.f32_bits(part), mbar, t.r)
             if cutlass.const_expr(self.rope):
@@ -543,31 +566,43 @@ class QkvKernel(Kernel):
                                             t.rank ^ (CLUSTER // 2))  # fmt: skip
 
     @cute.jit
+    def store_v(self, a, t, tok, slot, hv, scale):
+        if tok < a.m:
+            device.store_cache(a.v_cache, slot, *self.geometry(a), t.head - (self.nq + self.nkv), t.dim,
+                               hv.to(BFloat16), self.fp8, scale, self.streamed)  # fmt: skip
+
+    @cute.jit
     def epilogue_finish(self, a, t, buf, hv, i, scale, e, wn, wp):
-        """q/k head, once the group's mbarrier has every byte: the RMSNorm (fp32, the 8 ranks' sums in rank
-        order: the same in all 8 CTAs), NeoX RoPE and one bf16 rounding of its own dim, stored as q or into
-        the k cache (an FP8 cache: e4m3(value / scale) of the same bf16 value)."""
+        """q/k head, once the group's mbarrier has every byte: finish_value, stored as q or into the k cache."""
         if not t.is_v:
-            ssq, pv, mbar = buf
-            slot, ok, c, sn = e
-            cute.arch.mbarrier_wait(mbar, 0)
-            st = cute.make_tensor(ssq, cute.make_layout(CLUSTER * GROUP))
-            tot = st[t.tk]
-            for j in range(1, CLUSTER):  # rank order
-                tot = tot + st[j * GROUP + t.tk]
-            inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
-            y = hv * inv * wn
-            if cutlass.const_expr(self.rope):
-                yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[t.r * GROUP + t.tk] * inv * wp
-                y = device.rotate(y, yp, ok, c, sn, t.dim)
-            yb = y.to(BFloat16)
-            tok = GROUP * i + t.tk
-            if tok < a.m:
-                if t.head < self.nq:
-                    device.put(a.q, tok * (self.nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yb)
-                else:
-                    device.store_cache(a.k_cache, slot, *self.geometry(a), t.head - self.nq, t.dim, yb,
-                                       self.fp8, scale, self.streamed)  # fmt: skip
+            cute.arch.mbarrier_wait(buf[2], 0)
+            self.store_qk(a, t, GROUP * i + t.tk, e[0], self.finish_value(a, t, buf, hv, e, wn, wp), scale)
+
+    def finish_value(self, a, t, buf, hv, e, wn, wp):
+        """q/k head, the group's exchange received: the RMSNorm (fp32, the 8 ranks' sums in rank order: the
+        same in all 8 CTAs), NeoX RoPE and one bf16 rounding of its own dim."""
+        ssq, pv, _ = buf
+        _, ok, c, sn = e
+        st = cute.make_tensor(ssq, cute.make_layout(CLUSTER * GROUP))
+        tot = st[t.tk]
+        for j in range(1, CLUSTER):  # rank order
+            tot = tot + st[j * GROUP + t.tk]
+        inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+        y = hv * inv * wn
+        if cutlass.const_expr(self.rope):
+            yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[t.r * GROUP + t.tk] * inv * wp
+            y = device.rotate(y, yp, ok, c, sn, t.dim)
+        return y.to(BFloat16)
+
+    @cute.jit
+    def store_qk(self, a, t, tok, slot, yb, scale):
+        """q, or the k cache (an FP8 cache: e4m3(value / scale) of the same bf16 value), for tokens < m."""
+        if tok < a.m:
+            if t.head < self.nq:
+                device.put(a.q, tok * (self.nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yb)
+            else:
+                device.store_cache(a.k_cache, slot, *self.geometry(a), t.head - self.nq, t.dim, yb,
+                                   self.fp8, scale, self.streamed)  # fmt: skip
 
     def ptr_types(self) -> dict:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
