@@ -82,6 +82,7 @@ class QkvKernel(Kernel):
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
         self.groups = self.tile // GROUP
         self.epi_chunk = min(EPI_CHUNK, self.groups)  # the token stream's epilogue, groups per chunk
+        self.meta_threads = min(self.tile, 32)  # the token stream: warp 0 stages slots and positions
         self.xrow = core.smem_row(self.fp4)  # tile 8: x of all K per token in shared memory
         # bytes each CTA of a q/k head receives over DSMEM per group of 8 tokens: the 8 ranks' per-token sums
         # of squares, and (RoPE) the 16 x 8 values of its rotation partner (rank ^ 4), as fp32
@@ -266,8 +267,7 @@ class QkvKernel(Kernel):
         every group's stores, so that each exchange is waited for once, not once per group. Both phases are
         loops over the groups at run time (one copy of their code, not one per group: unrolled, the 64-token
         kernel's groups each cost up to twice the 16-token kernel's, BENCHMARKS.md). Every token's slot and
-        position are read once, into shared memory, by one thread per token (the threads of warp 0, and warp 1
-        at 64 tokens)."""
+        position are read once, into shared memory, by the threads of warp 0 (one or two tokens each)."""
         s = self.stream_shared(a, t)
         q = t.rank % QUARTERS
         row0 = ((t.cta // QUARTERS) * QUARTERS + t.tid // 32) * R  # this warp's row block
@@ -291,7 +291,7 @@ class QkvKernel(Kernel):
     def stream_shared(self, a, t):
         """The stream's shared memory (gemv_core.StreamGemv.alloc), the epilogue's exchange buffers and
         mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written) and position
-        (-1: outside the table), on mbm (one arrival per token of the tile); prologue design: ssn
+        (-1: outside the table), on mbm (one arrival per staging thread); prologue design: ssn
         [token][virtual warp], the 8 slice sums of squares of each token, on mbn. Initialised before the
         cluster arrive. (Every KB counts: the shared memory of 3 CTAs sets the SM's carveout, and what is
         left of the 256 KB is the L1 that the weight loads in flight pass through, BENCHMARKS.md.)"""
@@ -312,7 +312,7 @@ class QkvKernel(Kernel):
             self.core.arm(xs, red, mbx, mbr)
             for i in cutlass.range_constexpr(groups):
                 cute.arch.mbarrier_init(mbar + i, 1)
-            cute.arch.mbarrier_init(mbm, self.tile)
+            cute.arch.mbarrier_init(mbm, self.meta_threads)
             if cutlass.const_expr(self.prologue):
                 cute.arch.mbarrier_init(mbn, 1)
             cute.arch.mbarrier_init_fence()
@@ -321,6 +321,7 @@ class QkvKernel(Kernel):
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar + i, self.rx_bytes)
             if cutlass.const_expr(self.prologue):  # 2 sums from each of the 4 quarters' CTAs, per token
                 cute.arch.mbarrier_arrive_and_expect_tx(mbn, a.m * (CLUSTER * 4))
+        cute.arch.sync_warp()  # warp 0's other threads use the mbarriers before the cluster wait (mbx, mbm)
         cute.arch.cluster_arrive_relaxed()
         return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssq=ssq, pv=pv, mbar=mbar, ssn=ssn, mbn=mbn,
                                mslot=mslot, mpos=mpos, mbm=mbm)  # fmt: skip
@@ -328,7 +329,7 @@ class QkvKernel(Kernel):
     def stream_first(self, a, t, s, q):
         """Once the weights are issued (BF16) or after the guarded wait (NVFP4): the separate design's first
         ring stages (threads tid < 8, waiting for the predecessor themselves), or the prologue design's sums
-        of squares (every thread); then threads tid < tile stage their token's slot and position."""
+        of squares (every thread); then warp 0 stages every token's slot and position."""
         if cutlass.const_expr(self.prologue):
             self.stream_norm_sums(a, t, s, q)
         else:
@@ -336,7 +337,7 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_copy_first(self, a, t, s, q):
-        if t.tid < self.tile:  # (warp 0, and warp 1 at 64 tokens)
+        if t.tid < self.meta_threads:  # (warp 0)
             cute.arch.griddepcontrol_wait()
             if t.tid < GROUP:
                 for i in cutlass.range_constexpr(self.core.stages):
@@ -346,21 +347,28 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_meta(self, a, t, s):
-        """Threads tid < tile, after the wait, one token each (token tid): the slot as int32 (-1 unless inside
-        the cache, which the loader keeps below 2**31 slots) and the position (-1 outside the cos/sin table;
-        tokens past m take token m - 1's) into shared memory; then an arrival on mbm (tile arrivals). One
-        token per thread, so no thread's loads wait behind another token's (8 threads taking 8 tokens each,
-        with the RoPE coefficients' copies depending on each position, made the gap between layers 8.4
-        instead of 3.7 us at M = 64, BENCHMARKS.md)."""
-        tok = t.tid
-        slot = Int64(-1)
-        if tok < a.num_slot_mapping:
-            slot = device.at(a.slot_mapping, tok)[0]
-        if cutlass.const_expr(self.rope):
-            p = device.at(a.positions, cutlass.min(tok, a.m - 1))[0]
-        device.put(s.mslot, tok, Int32(cutlass.select_(slot >= 0 and slot < a.num_cache_slots, slot, Int64(-1))))
-        if cutlass.const_expr(self.rope):
-            device.put(s.mpos, tok, Int32(cutlass.select_(p >= 0 and p < a.max_pos, p, Int64(-1))))
+        """Threads tid < meta_threads (warp 0, the warp of the thread that initialised mbm), after the wait:
+        tokens tid and tid + 32: the slot as int32 (-1 unless inside the cache, which the loader keeps below
+        2**31 slots) and the position (-1 outside the cos/sin table; tokens past m take token m - 1's) into
+        shared memory; then an arrival on mbm. Every load is issued before any is used, so no token waits
+        behind another (8 threads taking 8 tokens each, one after another, with the RoPE coefficients' copies
+        depending on each position, made the gap between layers 8.4 instead of 3.7 us at M = 64,
+        BENCHMARKS.md)."""
+        toks = [t.tid + 32 * j for j in range((self.tile + 31) // 32)]
+        slots, poss = [], []
+        for tok in toks:
+            slot = Int64(-1)
+            if tok < a.num_slot_mapping:
+                slot = device.at(a.slot_mapping, tok)[0]
+            slots.append(slot)
+            if cutlass.const_expr(self.rope):
+                poss.append(device.at(a.positions, cutlass.min(tok, a.m - 1))[0])
+        for j, tok in enumerate(toks):
+            device.put(s.mslot, tok, Int32(cutlass.select_(slots[j] >= 0 and slots[j] < a.num_cache_slots, slots[j],
+                                                           Int64(-1))))  # fmt: skip
+            if cutlass.const_expr(self.rope):
+                p = poss[j]
+                device.put(s.mpos, tok, Int32(cutlass.select_(p >= 0 and p < a.max_pos, p, Int64(-1))))
         cute.arch.mbarrier_arrive(s.mbm)  # (after this thread's stores)
 
     def stream_rope(self, a, t, s, tok):
@@ -455,7 +463,7 @@ class QkvKernel(Kernel):
                     self.stream_norm_sum(a, t, s, q, tok, lane, True)
                 else:
                     self.stream_norm_sum(a, t, s, q, tok, lane, False)
-        if t.tid < self.tile:
+        if t.tid < self.meta_threads:
             self.stream_meta(a, t, s)
 
     @cute.jit
