@@ -4,26 +4,37 @@ without a residual, M = 1, 3, 8 (the 8-token tile), 16, 33 and 64 (the token str
 them; then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
 
     compute-sanitizer --tool racecheck --report-api-errors no python3 tools/sanitize_case.py [M ...]
+        [--design separate|prologue] [--fmt bf16|nvfp4] [--no-unfused] [--bundle DIR]
 
 Given token counts, only the fused calls with those M, and the unfused path at the largest (racecheck is slow:
-`1 16 64` checks the 8-, 16- and 64-token kernels).
+`1 16 64` checks the 8-, 16- and 64-token kernels). --design / --fmt keep one design or weight format, so that
+a slow tool can run as parallel processes that split the cases between them.
 """
 
-import sys
+import argparse
 
 import torch
 
 import loader
 from tests.helpers import make_case, op_args
 
-ONLY = {int(a) for a in sys.argv[1:]}
-loader.load_bundle("build/flint")
-for design in ("prologue", "separate"):
+ap = argparse.ArgumentParser()
+ap.add_argument("m", nargs="*", type=int)
+ap.add_argument("--design", choices=["separate", "prologue"])
+ap.add_argument("--fmt", choices=["bf16", "nvfp4"])
+ap.add_argument("--no-unfused", action="store_true")
+ap.add_argument("--bundle", default="build/flint")
+args = ap.parse_args()
+ONLY = set(args.m)
+# (rope, heads, M) of the fused calls
+CASES = ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16), (True, (16, 2), 33),
+         (True, (32, 4), 64), (True, (16, 8), 1))  # fmt: skip
+loader.load_bundle(args.bundle)
+for design in [args.design] if args.design else ("prologue", "separate"):
     with loader.launch_options(design=design):
-        for fmt in ("bf16", "nvfp4"):
+        for fmt in [args.fmt] if args.fmt else ("bf16", "nvfp4"):
             for kv in ("bf16", "fp8_e4m3"):
-                for rope, (nq, nkv), m in ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16),
-                                           (True, (16, 2), 33), (True, (32, 4), 64), (True, (16, 8), 1)):
+                for rope, (nq, nkv), m in CASES:
                     if ONLY and m not in ONLY:
                         continue
                     slots = [3, -1, 70, 200, 9, -3, 11, 12, 40, 41, 42, 43, 44][:m]
@@ -34,7 +45,8 @@ for design in ("prologue", "separate"):
                     q, r = loader.flint_qkv_fused(**c)
 keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache", "v_cache",
         "slot_mapping", "num_q_heads", "num_kv_heads", "k_scale", "v_scale")  # fmt: skip
-for m in (5, 13, 64) if not ONLY else (max(ONLY),):  # the 8-token GEMV and the stream
+unfused = () if args.no_unfused else (5, 13, 64) if not ONLY else (max(ONLY),)
+for m in unfused:  # the 8-token GEMV and the stream
     c = op_args(make_case(m, 16, 2, True, seed=1, kv_dtype="fp8_e4m3"))
     xn, ro = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
     qkv = loader.gemv(xn, c["weight"])
