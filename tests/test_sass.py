@@ -144,8 +144,8 @@ def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
     the owner's per-group buffers (partial sums, the exchange, slots and positions, the prologue's sums of
     squares), at most 3.6 KB per group of 8 tokens. And three CTAs of the 64-token kernel fit the 164 KB
     carveout (1 KB reserved per CTA), which leaves 92 KB of the SM's 256 KB to L1: the weight loads in flight
-    pass through it (a 64-token kernel whose three CTAs took the 228 KB carveout got its weights 2 us later and
-    cost 2.4 us more per layer, BENCHMARKS.md)."""
+    pass through it (a 64-token kernel whose three CTAs took the 228 KB carveout got its weights 2 us later
+    and cost 2.4 us more per layer, BENCHMARKS.md)."""
     sizes = []
     for tile in (32, 64):
         c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")

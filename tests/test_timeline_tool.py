@@ -57,5 +57,6 @@ def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt, tile):
     n = _sass((dst / "n.cubin").read_bytes(), tmp_path)
     # T0..T6 and the groups' ends; the token stream reads T5 after each of a chunk's 4 exchange waits
     timers = 7 if tile == 8 else 10
-    assert sum("SR_GLOBALTIMERLO" in ln for ln in q) == timers and sum("SR_GLOBALTIMERLO" in ln for ln in n) == 4
+    assert sum("SR_GLOBALTIMERLO" in ln for ln in q) == timers
+    assert sum("SR_GLOBALTIMERLO" in ln for ln in n) == 4
     assert not any("STL" in ln or "LDL" in ln for ln in q + n)

@@ -359,7 +359,6 @@ def partial_sums(fp4: bool, st, x, tok, tid, m, kx=None):
     return mma_partials(st["A"], x, tok, tid, st["zero"], kx)
 
 
-
 def scaled(fp4: bool, st, v):
     """A row sum times the global scale (x 2^7) for NVFP4."""
     return v * st["gs"] if fp4 else v

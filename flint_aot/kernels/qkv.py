@@ -364,8 +364,8 @@ class QkvKernel(Kernel):
             if cutlass.const_expr(self.rope):
                 poss.append(device.at(a.positions, cutlass.min(tok, a.m - 1))[0])
         for j, tok in enumerate(toks):
-            device.put(s.mslot, tok, Int32(cutlass.select_(slots[j] >= 0 and slots[j] < a.num_cache_slots, slots[j],
-                                                           Int64(-1))))  # fmt: skip
+            ok = slots[j] >= 0 and slots[j] < a.num_cache_slots
+            device.put(s.mslot, tok, Int32(cutlass.select_(ok, slots[j], Int64(-1))))
             if cutlass.const_expr(self.rope):
                 p = poss[j]
                 device.put(s.mpos, tok, Int32(cutlass.select_(p >= 0 and p < a.max_pos, p, Int64(-1))))
@@ -428,10 +428,10 @@ class QkvKernel(Kernel):
                     if i < groups:
                         cute.arch.mbarrier_wait(s.mbar + i, 0)
                 ys = []
-                for i, e in zip(idx, es):
-                    ys.append(self.finish_value(a, t, self.group_buffers(s, i), self.stream_value(t, s, st, i),
-                                                e, wn, wp))  # fmt: skip
-                for i, yb in zip(idx, ys):
+                for i, e in zip(idx, es, strict=True):
+                    buf = self.group_buffers(s, i)
+                    ys.append(self.finish_value(a, t, buf, self.stream_value(t, s, st, i), e, wn, wp))
+                for i, yb in zip(idx, ys, strict=True):
                     tok = GROUP * i + t.tk
                     self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)
 
@@ -562,9 +562,9 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def send_exchange(self, t, buf, part, hv, live):
-        """q/k head: the partial sum of squares to every CTA of the head (lane r to rank r) and, with RoPE, the
-        value to the rotation partner (rank ^ 4), by st.async on their mbarrier of the group (buf: ssq, pv,
-        mbar); nothing is sent unless live (the token stream: a group past m)."""
+        """q/k head: the partial sum of squares to every CTA of the head (lane r to rank r) and, with RoPE,
+        the value to the rotation partner (rank ^ 4), by st.async on their mbarrier of the group (buf: ssq,
+        pv, mbar); nothing is sent unless live (the token stream: a group past m)."""
         ssq, pv, mbar = buf
         if live:
             if t.r < CLUSTER:  # lane r sends the partial to rank r
@@ -581,7 +581,8 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def epilogue_finish(self, a, t, buf, hv, i, scale, e, wn, wp):
-        """q/k head, once the group's mbarrier has every byte: finish_value, stored as q or into the k cache."""
+        """q/k head, once the group's mbarrier has every byte: finish_value, stored as q or into the k
+        cache."""
         if not t.is_v:
             cute.arch.mbarrier_wait(buf[2], 0)
             self.store_qk(a, t, GROUP * i + t.tk, e[0], self.finish_value(a, t, buf, hv, e, wn, wp), scale)
