@@ -135,7 +135,7 @@ class QkvKernel(Kernel):
         acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), a.m, t.tid)
         hv = acc.to(BFloat16).to(Float32)  # qkv[token, head * 128 + dim], rounded once
         buf = (s.ssq, s.pv, s.mbar)
-        self.epilogue_send(a, t, buf, hv, 0, scale, e)
+        self.epilogue_send(a, t, buf, hv, 0, scale, e[0])
         self.epilogue_finish(a, t, buf, hv, 0, scale, e, wn, wp)
 
     @cute.jit
@@ -203,10 +203,16 @@ class QkvKernel(Kernel):
         for j in range(GROUP // core.WARPS):  # token warp + 4 j
             tok = warp + j * core.WARPS
             if tok < a.m:
-                if a.has_residual != 0:
-                    self.norm_slice(a, t, s, tok, col, lane, True)
-                else:
-                    self.norm_slice(a, t, s, tok, col, lane, False)
+                self.with_residual(a, self.norm_slice, a, t, s, tok, col, lane)
+
+    @cute.jit
+    def with_residual(self, a, body, *args):
+        """body(*args, res), res a compile-time bool: whether this call has a residual (the body is compiled
+        for both cases, and the call picks one at run time)."""
+        if a.has_residual != 0:
+            body(*args, True)
+        else:
+            body(*args, False)
 
     @cute.jit
     def norm_slice(self, a, t, s, tok, col, lane, res: cutlass.Constexpr):
@@ -417,20 +423,20 @@ class QkvKernel(Kernel):
             cute.arch.mbarrier_wait(s.mbr + i, 0)
             tok = GROUP * i + t.tk
             self.epilogue_send(a, t, self.group_buffers(s, i), self.stream_value(t, s, st, i), i, scale,
-                               (self.stream_slot(s, tok),))  # fmt: skip
+                               self.stream_slot(s, tok))  # fmt: skip
         if not t.is_v:
             wn, wp = self.norm_weights(a, t)
             ch = self.epi_chunk
             for c in range((groups + (ch - 1)) // ch):
                 idx = [c * ch + j for j in range(ch)]
-                es = [(None, *self.stream_rope(a, t, s, GROUP * i + t.tk)) for i in idx]
+                ropes = [self.stream_rope(a, t, s, GROUP * i + t.tk) for i in idx]
                 for i in idx:
                     if i < groups:
                         cute.arch.mbarrier_wait(s.mbar + i, 0)
                 ys = []
-                for i, e in zip(idx, es, strict=True):
+                for i, rope in zip(idx, ropes, strict=True):
                     buf = self.group_buffers(s, i)
-                    ys.append(self.finish_value(a, t, buf, self.stream_value(t, s, st, i), e, wn, wp))
+                    ys.append(self.finish_value(a, t, buf, self.stream_value(t, s, st, i), rope, wn, wp))
                 for i, yb in zip(idx, ys, strict=True):
                     tok = GROUP * i + t.tk
                     self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)
@@ -459,10 +465,7 @@ class QkvKernel(Kernel):
         for j in range(self.tile // core.WARPS):  # token warp + 4 j
             tok = warp + j * core.WARPS
             if tok < a.m:
-                if a.has_residual != 0:
-                    self.stream_norm_sum(a, t, s, q, tok, lane, True)
-                else:
-                    self.stream_norm_sum(a, t, s, q, tok, lane, False)
+                self.with_residual(a, self.stream_norm_sum, a, t, s, q, tok, lane)
         if t.tid < self.meta_threads:
             self.stream_meta(a, t, s)
 
@@ -491,10 +494,7 @@ class QkvKernel(Kernel):
             row = 2 * j + t.tid // 64
             tok = GROUP * i + row
             if tok < a.m:
-                if a.has_residual != 0:
-                    self.stream_norm_row(a, t, s, q, stage, row, tok, col, True)
-                else:
-                    self.stream_norm_row(a, t, s, q, stage, row, tok, col, False)
+                self.with_residual(a, self.stream_norm_row, a, t, s, q, stage, row, tok, col)
 
     @cute.jit
     def stream_norm_row(self, a, t, s, q, stage, row, tok, col, res: cutlass.Constexpr):
@@ -542,31 +542,18 @@ class QkvKernel(Kernel):
         return a.num_cache_slots, a.block_size, a.stride_block, a.stride_slot, a.stride_head
 
     @cute.jit
-    def epilogue_send(self, a, t, buf, hv, i, scale, e):
-        """v head: this thread's value (row r, token 8 i + tk) to the paged cache. q/k head: the token's
-        partial sum of squares over this CTA's 16 dims (square_sums) to every CTA of the head and, with RoPE,
-        the value to the rotation partner (send_exchange)."""
+    def epilogue_send(self, a, t, buf, hv, i, scale, slot):
+        """v head: this thread's value (row r, token 8 i + tk) to the paged cache at slot. q/k head: the
+        token's partial sum of squares over this CTA's 16 dims (a 16-lane butterfly) to every CTA of the head
+        (lane r to rank r) and, with RoPE, the value to the rotation partner (rank ^ 4), by st.async on their
+        mbarrier of the group (buf: ssq, pv, mbar)."""
         if t.is_v:
-            self.store_v(a, t, GROUP * i + t.tk, e[0], hv, scale)
+            self.store_v(a, t, GROUP * i + t.tk, slot, hv, scale)
         else:
-            (part,) = self.square_sums([hv])
-            self.send_exchange(t, buf, part, hv, True)
-
-    def square_sums(self, hvs):
-        """For each value in hvs (one per group, interleaved): the sum of its squares over the 16 lanes of
-        its token (a butterfly): the token's partial sum over this CTA's 16 dims."""
-        parts = [h * h for h in hvs]
-        for o in (1, 2, 4, 8):
-            parts = [v + cute.arch.shuffle_sync_bfly(v, o) for v in parts]
-        return parts
-
-    @cute.jit
-    def send_exchange(self, t, buf, part, hv, live):
-        """q/k head: the partial sum of squares to every CTA of the head (lane r to rank r) and, with RoPE,
-        the value to the rotation partner (rank ^ 4), by st.async on their mbarrier of the group (buf: ssq,
-        pv, mbar); nothing is sent unless live (the token stream: a group past m)."""
-        ssq, pv, mbar = buf
-        if live:
+            ssq, pv, mbar = buf
+            part = hv * hv
+            for o in (1, 2, 4, 8):
+                part = part + cute.arch.shuffle_sync_bfly(part, o)
             if t.r < CLUSTER:  # lane r sends the partial to rank r
                 cute.arch.store_async_dsmem(ssq + (t.rank * GROUP + t.tk), device.f32_bits(part), mbar, t.r)
             if cutlass.const_expr(self.rope):
@@ -585,13 +572,14 @@ class QkvKernel(Kernel):
         cache."""
         if not t.is_v:
             cute.arch.mbarrier_wait(buf[2], 0)
-            self.store_qk(a, t, GROUP * i + t.tk, e[0], self.finish_value(a, t, buf, hv, e, wn, wp), scale)
+            yb = self.finish_value(a, t, buf, hv, e[1:], wn, wp)
+            self.store_qk(a, t, GROUP * i + t.tk, e[0], yb, scale)
 
-    def finish_value(self, a, t, buf, hv, e, wn, wp):
+    def finish_value(self, a, t, buf, hv, rope, wn, wp):
         """q/k head, the group's exchange received: the RMSNorm (fp32, the 8 ranks' sums in rank order: the
-        same in all 8 CTAs), NeoX RoPE and one bf16 rounding of its own dim."""
+        same in all 8 CTAs), NeoX RoPE (rope: ok, cos, sin) and one bf16 rounding of its own dim."""
         ssq, pv, _ = buf
-        _, ok, c, sn = e
+        ok, c, sn = rope
         st = cute.make_tensor(ssq, cute.make_layout(CLUSTER * GROUP))
         tot = st[t.tk]
         for j in range(1, CLUSTER):  # rank order
