@@ -179,6 +179,13 @@ def sum_quarters(red, tid, row: int = 8):
 # * code word i = 4 c + u (k0 = 512 w + 128 c + 32 t + 8 u, .. k0 + 7) decodes to 4 bf16x2 registers
 #   P_j = (k0 + j, k0 + j + 4), j = 0..3, and x is permuted to the same pairs; word i feeds MMA 2 i (P_0, P_1)
 #   and 2 i + 1 (P_2, P_3): a K permutation shared by A and B, so the dot product is unchanged;
+# * lanes t = 2, 3 take the words of each chunk in the order u ^ 2 (2, 3, 0, 1): MMA step i = 4 c + u reads
+#   word 4 c + (u ^ (t & 2)) for both A and B (a lane's k-slots meet only that lane's, so the lanes of one
+#   step may hold different words). Why: at one step the lanes t read x 64 B (32 k) apart, so t and t + 2
+#   would hit the same banks, a 2-way conflict on every x read from shared memory; with the swap the 8 lanes
+#   of a phase read 8 different 16-byte bank groups for x rows whose stride is 16 mod 128 bytes (smem_row,
+#   stream_row). It costs a select per code word and block scale, once per call (issue_fp4_loads,
+#   fp4_decode_rows);
 # * decoded weights are e2m1 * e4m3 * 2^-7 (exact in bf16: at most 5 significant bits, always normal); the
 #   fp32 row sums are multiplied by global_scale * 2^7 after the cross-warp reduction (reduce_rows order).
 KB = NVFP4_ROW_BYTES  # code bytes per row
@@ -200,16 +207,18 @@ def ld_weight_b32(ptr):
 
 def issue_fp4_loads(wq, sf, row0, tid, kq=None):
     """This thread's code and scale loads, rows row0 + g and + 8, K quarter kq (default: the warp's):
-    (codes[2][16 words], scales[2][4 words]); scales[row][c] is the swizzle group holding chunk c's two block
-    scales (in half t % 2)."""
+    (codes[2][16 words], scales[2][4 words]); codes[row][4 c + u] is word u ^ (t & 2) of chunk c (the step
+    order); scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2)."""
     warp, _, g, t = lanes(tid)
     kq = warp if kq is None else kq
     codes, scales = [], []
+    swap = (t & 2) != 0
     for r in (row0 + g, row0 + g + 8):
         a = wq + (r * KB + kq * (KB // WARPS) + t * 16)
         words = []
         for c in range(FP4_CHUNKS):
-            words.extend(ld_weight(a + 64 * c))
+            v = ld_weight(a + 64 * c)
+            words.extend(cutlass.select_(swap, v[u ^ 2], v[u]) for u in range(4))  # step order u ^ (t & 2)
         codes.append(words)
         # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2
         # (the offsets of docs/nvfp4.md §3)
@@ -268,7 +277,9 @@ def fp4_x_pairs(v):
 
 
 def fp4_decode_rows(codes, scales, words, tid):
-    """Decoded bf16x2 for the given word indices of both rows: D[row][i] = 4 registers."""
+    """Decoded bf16x2 for the given step indices of both rows (codes in step order, issue_fp4_loads):
+    D[row][i] = 4 registers."""
+    swap = (lanes(tid)[3] & 2) != 0
     out = []
     for row in range(2):
         sc = {}
@@ -276,7 +287,8 @@ def fp4_decode_rows(codes, scales, words, tid):
         for i in words:
             c = i // 4
             if c not in sc:
-                sc[c] = fp4_scale_pair(scales[row][c], tid)
+                s0, s1 = fp4_scale_pair(scales[row][c], tid)
+                sc[c] = (cutlass.select_(swap, s1, s0), cutlass.select_(swap, s0, s1))  # step order
             d[i] = fp4_decode(codes[row][i], sc[c][(i % 4) // 2])  # 2 words (16 k) per block scale
         out.append(d)
     return out
@@ -288,7 +300,7 @@ def fp4_mma_partials(D, x, tok, tid, m, kx=None):
     first MMA."""
     warp, _, g, t = lanes(tid)
     kx = warp * (K // WARPS) if kx is None else kx
-    X = _x_loads(x, tok, [kx + t * 32 + 128 * (i // 4) + 8 * (i % 4) for i in range(FP4_WORDS)])
+    X = _x_loads(x, tok, [kx + t * 32 + 128 * (i // 4) + 8 * ((i % 4) ^ (t & 2)) for i in range(FP4_WORDS)])
     if isinstance(x, SharedX):
         z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)
     else:
