@@ -8,7 +8,8 @@ them; then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64
 
 Given token counts, only the fused calls with those M, and the unfused path at the largest (racecheck is slow:
 `1 16 64` checks the 8-, 16- and 64-token kernels). --design / --fmt keep one design or weight format, so that
-a slow tool can run as parallel processes that split the cases between them.
+a slow tool can run as parallel processes that split the cases between them. --bundle: a smaller bundle loads
+faster under a sanitizer; `configs/sanitize.yaml` builds one with every kernel these calls reach at 1, 16, 64.
 """
 
 import argparse
