@@ -128,6 +128,12 @@ def runtime_zero(regs, m):
     return f & (m >> 31)
 
 
+def bf16_x_k(t, b, kx=0):
+    """BF16: the first of the 8 consecutive k that lane t of a quad reads for block b of the quarter at kx;
+    plain arithmetic on Python or DSL integers (tests/test_gemv_layout.py checks the banks it implies)."""
+    return kx + t * 8 + b * 32
+
+
 def mma_partials(A, x, tok, tid, zero, kx=None):
     """This warp's partial sums over its K quarter for 8 tokens: [d0, d1, d2, d3] with d0/d1 = (row g, token
     columns 2t, 2t + 1), d2/d3 = (row g + 8, the same columns). A from issue_weight_loads; x bf16 rows of K
@@ -135,7 +141,7 @@ def mma_partials(A, x, tok, tid, zero, kx=None):
     it and are never stored); kx: x's element offset of the quarter (default: the warp's, warp * 512)."""
     warp, _, g, t = lanes(tid)
     kx = warp * (NB * 32) if kx is None else kx
-    X = _x_loads(x, tok, [kx + t * 8 + b * 32 for b in range(NB)])
+    X = _x_loads(x, tok, [bf16_x_k(t, b, kx) for b in range(NB)])
     z = as_f32(zero)
     acc = [[z, z, z, z], [z, z, z, z]]
     for b in range(NB):
@@ -294,13 +300,19 @@ def fp4_decode_rows(codes, scales, words, tid):
     return out
 
 
+def fp4_x_k(t, i, kx=0):
+    """NVFP4: the first of the 8 consecutive k that lane t of a quad reads at MMA step i = 4 c + u of the
+    quarter starting at kx: word u ^ (t & 2) of its chunk 4 c + t (the step order of issue_fp4_loads)."""
+    return kx + t * 32 + 128 * (i // 4) + 8 * ((i % 4) ^ (t & 2))
+
+
 def fp4_mma_partials(D, x, tok, tid, m, kx=None):
     """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words), x
     and tok as mma_partials. Global x loads are fenced: every one is issued right after the wait, before the
     first MMA."""
     warp, _, g, t = lanes(tid)
     kx = warp * (K // WARPS) if kx is None else kx
-    X = _x_loads(x, tok, [kx + t * 32 + 128 * (i // 4) + 8 * ((i % 4) ^ (t & 2)) for i in range(FP4_WORDS)])
+    X = _x_loads(x, tok, [fp4_x_k(t, i, kx) for i in range(FP4_WORDS)])
     if isinstance(x, SharedX):
         z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)
     else:
