@@ -200,3 +200,38 @@ def test_cli_prints_one_line_before_anything_else(tmp_path):
     r = CliRunner().invoke(main, ["build", str(p), "-o", str(tmp_path / "o")])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
     assert r.output == f"Error: {p}:2:1: duplicate key 'archs' (first given at line 1); give each key once\n"
+
+
+def test_sanitizer_bundle_holds_every_kernel_its_script_reaches():
+    """configs/sanitize.yaml (the bundle compute-sanitizer loads, tools/sanitize_case.py --bundle) holds every
+    kernel that `tools/sanitize_case.py 1 16 64` launches: the fused cases with those M in both formats, both
+    cache dtypes and both designs, on the smallest token tile that holds M; the norm with and without a
+    residual; the unfused path at the largest M. The script's cases are read from its source (it runs on
+    import)."""
+    import ast
+    from pathlib import Path
+
+    from loader import abi
+
+    src = Path("tools/sanitize_case.py").read_text()
+    (cases,) = [ast.literal_eval(n.value) for n in ast.parse(src).body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "CASES"]  # fmt: skip
+    have = [(s.kind, s.spec) for s in expand(load_config("configs/sanitize.yaml"))]
+    need = [("norm", abi.norm_spec(r)) for r in (True, False)]
+    ms = (1, 16, 64)
+    for rope, (nq, nkv), m in cases:
+        if m not in ms:
+            continue
+        tile = abi.m_tiles(m)[0]  # the loader's pick
+        for fmt in ("bf16", "nvfp4"):
+            for kv in ("bf16", "fp8_e4m3"):
+                for design in ("separate", "prologue"):
+                    need.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, design, tile)))
+    need += [
+        ("gemv", abi.gemv_spec("bf16", max(ms))),
+        ("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(True, "fp8_e4m3")),
+    ]  # the unfused path
+    n_qkv = sum(k == "qkv" for k, _ in need)
+    assert n_qkv >= 3 * 2 * 2 * 2, "the script's cases no longer reach M = 1, 16, 64"
+    missing = [n for n in need if n not in have]
+    assert not missing, missing
