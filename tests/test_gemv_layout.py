@@ -12,8 +12,8 @@ pytestmark = needs_dsl
 
 
 def _phase_groups(offset, row_elems, step):
-    """The 16-byte bank groups (0..7 of a 128-byte line) the 8 lanes of phase 0 read at this step; the other
-    three phases (g = 2..7) add a multiple of 2 rows to each lane, checked by the same rule."""
+    """For each of the 4 phases (lanes of g0 and g0 + 1, g0 = 0, 2, 4, 6): the 16-byte bank groups (0..7 of a
+    128-byte line) its 8 lanes read at this step."""
     out = {}
     for g0 in range(0, 8, 2):
         groups = []
