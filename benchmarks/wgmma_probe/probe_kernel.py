@@ -1,0 +1,220 @@
+"""A research probe (a flint-aot plugin kernel, never part of Flint's bundle): the token stream's MMA work on
+one CTA's weights, with the weights in registers as the stream holds them, done by `mma.sync` (today's
+stream) or by `wgmma` with A from registers and x (the MMA's B, the tokens its N) from shared memory.
+
+It answers two questions before a wgmma stream is built (docs/kernels.md §2.5, BENCHMARKS.md §2):
+* bits: does a chain of `wgmma.m64nNk16` add exactly what a chain of `mma.sync.m16n8k16` adds, given the same
+  A fragments, the same k permutation and the same order? (If so, a wgmma stream leaves every token's sum,
+  and the 8-token kernels, as they are.)
+* rate: how long do 64 tokens' MMAs take on an SM holding 1, 2 or 3 such CTAs, each way?
+(Answers, measured on the H200, in BENCHMARKS.md §2, step 9.)
+
+One CTA: 128 threads (one warpgroup), 64 weight rows x one K quarter (512 k) of w [64, 512] bf16, loaded into
+registers exactly as the stream does (warp w: rows 16 w .. 16 w + 15; gemv_core's block order and k
+permutation); x [64, 512] bf16 staged once into shared memory; then `reps` times the 8 groups of 8 tokens,
+each group's fp32 sums stored to out[cta, row, token]. The spec: `mode` and `ctas`, the register budget
+(`.minnctapersm`: 168 registers for 3 CTAs per SM, 255 for 2). Modes:
+* `mma`: gemv_core.mma_partials' sequence per group (x rows padded, fragments by ld.shared);
+* `wg8`, `wg16`, `wg32`: wgmma m64nNk16 over N = 8, 16, 32 tokens at a time, two accumulator chains (the
+  block's MMA 0 and MMA 1, as mma.sync's acc[0] / acc[1]) added at the end, x staged in the canonical
+  no-swizzle K-major layout with gemv_core's k permutation applied (see stage_wg);
+* `wg16s`, `wg32s`: the same two chains one after the other (chain 0's sums parked in shared memory, as a
+  sender would ship them to their owner): half the accumulator registers.
+ptxas serializes the wgmma (C7512, a wait after every one) when the registers do not suffice: wg16 and wg16s
+need 176, wg32 and wg32s 192 (the accumulators halved change nothing), so at 168 all four run serialized.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+
+from flint_aot import Kernel
+from flint_aot.kernels.device import lanes
+from flint_aot.kernels.gemv_core import as_f32, as_i32, bf16_x_k, ld_act, ld_shared, ld_weight, mma_bf16
+
+KQ = 512  # k per CTA (one quarter)
+NB = KQ // 32  # 32-wide blocks
+TOK = 64  # tokens
+ROWS = 64
+XR = KQ + 32  # mma mode: padded x row (elements), as the stream's ring
+CORE = 128  # bytes of one core matrix (8 tokens x 16 B)
+GROUP_BYTES = NB * 4 * CORE  # 8 tokens x 512 k in the canonical layout (8 KB)
+MODES = {"mma": 8, "wg8": 8, "wg16": 16, "wg32": 32, "wg16s": 16, "wg32s": 32}
+
+
+def ld_word(ptr):
+    """4 bytes (2 bf16) of x."""
+    return cute.arch.inline_ptx("ld.global.u32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[ptr])  # fmt: skip
+
+
+def ld_shared_b(addr):
+    """16 bytes at a shared-memory byte address."""
+    return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Int32] * 4, read_only_args=[addr])  # fmt: skip
+
+
+def st_shared(ptr, v):
+    cute.arch.inline_ptx("st.shared.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[ptr, *v])
+
+
+def _struct(n):
+    return llvm.StructType.get_literal([Float32.mlir_type] * n)
+
+
+def _tied(asm, vals, extra=(), extra_cons=()):
+    """Run asm (side effects: never reordered against the other wgmma statements) with vals as tied
+    in/out fp32 registers $0.. and extra inputs after them; returns the new values."""
+    n = len(vals)
+    cons = ",".join(["=f"] * n + list(extra_cons) + [str(i) for i in range(n)])
+    ops = [e.ir_value() if hasattr(e, "ir_value") else e for e in extra] + [v.ir_value() for v in vals]
+    res = llvm.inline_asm(_struct(n), ops, asm, cons, has_side_effects=True)
+    return [Float32(llvm.extractvalue(Float32.mlir_type, res, [i])) for i in range(n)]
+
+
+def wg_fence(vals):
+    return _tied("wgmma.fence.sync.aligned;", vals)
+
+
+def wg_wait(vals):
+    return _tied("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;", vals)
+
+
+def wgmma_rs(n, acc, a, desc, one):
+    """acc += A (4 registers, mma.sync's A fragment of this warp's 16 rows) x B (k16 x n tokens at desc)."""
+    r = n // 2
+    d = ",".join(f"${i}" for i in range(r))
+    asm = ("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $" + str(r + 5) + ", 0;\n\t"
+           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, "
+           f"{{${r},${r + 1},${r + 2},${r + 3}}}, ${r + 4}, p, 1, 1, 0;\n\t}}")  # fmt: skip
+    return _tied(asm, acc, extra=(*a, desc, one), extra_cons=("r", "r", "r", "r", "l", "r"))
+
+
+class WgmmaProbe(Kernel):
+    block = (128, 1, 1)
+    min_ctas_per_sm = 3
+
+    def __init__(self, spec: dict):
+        if set(spec) != {"mode", "ctas"} or spec["mode"] not in MODES or spec["ctas"] not in (2, 3):
+            raise ValueError(f"spec must be {{'mode': one of {sorted(MODES)}, 'ctas': 2 or 3}}, got {spec!r}")
+        self.mode = spec["mode"]
+        self.min_ctas_per_sm = spec["ctas"]  # the register budget: 168 (3 CTAs per SM) or 255 (2)
+        self.n = MODES[self.mode]
+        self.seq = self.mode.endswith("s")  # the two chains one after the other (chain 0 parked in smem)
+        self.dyn_smem = TOK * XR * 2 if self.mode == "mma" else TOK // 8 * GROUP_BYTES + self.seq * 128 * 64
+
+    def ptr_types(self) -> dict:
+        return {"out": (Float32, 16)}
+
+    def stage_mma(self, xs, x, tid):
+        for it in range(TOK * (KQ // 8) // 128):
+            idx = tid + it * 128
+            n, c = idx // (KQ // 8), idx % (KQ // 8)
+            st_shared(xs + (n * XR + c * 8), ld_act(x + (n * KQ + c * 8)))
+
+    def stage_wg(self, xs, x, tid):
+        """Token n, block b: its 16 words (2 k each) W[0..15] go to 4 core-matrix rows: chunk (j, c) of the
+        block holds words 4 i + 2 j + c, i = 0..3, i.e. k = 32 b + 8 i + 4 j + 2 c + {0, 1}: the k that
+        mma.sync MMA j of the block pairs with A's slots 2 i, 2 i + 1 (c = 0) and 2 i + 8, 2 i + 9 (c = 1).
+        Chunk q = 4 b + 2 j + c of token n sits at (n // 8) * 8 KB + q * 128 + (n % 8) * 16 bytes."""
+        xb = xs.toint()
+        for it in range(TOK * NB * 4 // 128):
+            idx = tid + it * 128
+            n, b, j, c = idx // (NB * 4), idx // 4 % NB, idx // 2 % 2, idx % 2
+            src = x + (n * KQ + b * 32 + 4 * j + 2 * c)
+            v = [ld_word(src + 8 * i) for i in range(4)]
+            off = (n // 8) * GROUP_BYTES + (4 * b + 2 * j + c) * CORE + (n % 8) * 16
+            cute.arch.inline_ptx("st.shared.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                                 read_only_args=[xb + off, *v])  # fmt: skip
+        return xb
+
+    @cute.kernel
+    def kernel(self, w: cute.Pointer, x: cute.Pointer, out: cute.Pointer, reps: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp, _, g, t = lanes(tid)
+        wa = w + ((16 * warp + g) * KQ + t * 8)
+        A = [(ld_weight(wa + b * 32), ld_weight(wa + (8 * KQ + b * 32))) for b in range(NB)]
+        xs = cute.arch.get_dyn_smem(BFloat16, alignment=1024)
+        ob = Int64(cta) * (ROWS * TOK) + (16 * warp + g) * TOK + 2 * t
+        if cutlass.const_expr(self.mode == "mma"):
+            self.stage_mma(xs, x, tid)
+            cute.arch.sync_threads()
+            for r in range(reps):
+                for G in range(8):
+                    self.group_mma(A, xs, out, ob, (G + r) % 8, g, t)
+        else:
+            xb = self.stage_wg(xs, x, tid)
+            cute.arch.sync_threads()
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> the async proxy's reads
+            # no-swizzle K-major descriptor: start >> 4, LBO (next core matrix in k) 128 B, SBO (next 8
+            # tokens) one group, 8 KB
+            dbase = Int64((xb >> 4) & 0x3FFF) | Int64((CORE >> 4) << 16) | (Int64(GROUP_BYTES >> 4) << 32)
+            passes = TOK // self.n
+            park = xb + TOK // 8 * GROUP_BYTES + tid * 64  # wg16s / wg32s: chain 0's sums of this thread
+            for r in range(reps):
+                for P in cutlass.range(passes, unroll=1):
+                    if cutlass.const_expr(self.seq):
+                        self.pass_wg_seq(A, dbase, out, ob, (P + r) % passes, park)
+                    else:
+                        self.pass_wg(A, dbase, out, ob, (P + r) % passes)
+
+    def group_mma(self, A, xs, out, ob, gg, g, t):
+        """One group of 8 tokens, gemv_core.mma_partials' sequence."""
+        z = Float32(0.0)
+        tok = gg * 8 + g
+        X = [ld_shared(xs + (tok * XR + bf16_x_k(t, b))) for b in range(NB)]
+        acc = [[z, z, z, z], [z, z, z, z]]
+        for b in range(NB):
+            lo, hi = A[b]
+            for j in range(2):
+                acc[j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),
+                                       (X[b][2 * j], X[b][2 * j + 1]), acc[j]))  # fmt: skip
+        self.store(out, ob + gg * 8, [acc[0][i] + acc[1][i] for i in range(4)])
+
+    def pass_wg(self, A, dbase, out, ob, pp):
+        """Tokens n pp .. n pp + n - 1 by wgmma, the same two chains and block order."""
+        n, z, one = self.n, Float32(0.0), Int32(1)
+        acc = wg_fence([z] * n)
+        acc = [acc[: n // 2], acc[n // 2 :]]
+        for b in range(NB):
+            lo, hi = A[b]
+            for j in range(2):
+                desc = dbase + Int64((pp * (n // 8) * GROUP_BYTES + (4 * b + 2 * j) * CORE) >> 4)
+                acc[j] = wgmma_rs(n, acc[j], (lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]), desc, one)
+        flat = wg_wait(acc[0] + acc[1])
+        d = [flat[i] + flat[n // 2 + i] for i in range(n // 2)]
+        for blk in range(n // 8):
+            self.store(out, ob + (pp * n + blk * 8), d[4 * blk : 4 * blk + 4])
+
+    def pass_wg_seq(self, A, dbase, out, ob, pp, park):
+        """As pass_wg, but chain 0 runs to the end and parks its sums (as a sender would ship them to their
+        owner) before chain 1 starts: n / 2 accumulator registers instead of n. Same sums, same order."""
+        n, z, one = self.n, Float32(0.0), Int32(1)
+        for j in range(2):
+            acc = wg_fence([z] * (n // 2))
+            for b in range(NB):
+                lo, hi = A[b]
+                desc = dbase + Int64((pp * (n // 8) * GROUP_BYTES + (4 * b + 2 * j) * CORE) >> 4)
+                acc = wgmma_rs(n, acc, (lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]), desc, one)
+            acc = wg_wait(acc)
+            if j == 0:
+                for i in range(n // 8):
+                    st_shared(park + 16 * i, [as_i32(v) for v in acc[4 * i : 4 * i + 4]])
+            else:
+                for blk in range(n // 8):
+                    c0 = [as_f32(v) for v in ld_shared_b(park + 16 * blk)]
+                    self.store(out, ob + (pp * n + blk * 8), [c0[i] + acc[4 * blk + i] for i in range(4)])
+
+    def store(self, out, off, d):
+        """d0, d1: row g, tokens off + 0, 1; d2, d3: row g + 8 (8 x TOK words further): two 8-byte stores."""
+        for h in range(2):
+            ptr = out + (off + h * 8 * TOK)
+            cute.arch.inline_ptx("st.global.v2.f32 [{$r0}], {{$r1}, {$r2}};",
+                                 read_only_args=[ptr, d[2 * h], d[2 * h + 1]])  # fmt: skip
+
+
+KERNEL = WgmmaProbe
