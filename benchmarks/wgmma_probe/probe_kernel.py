@@ -33,7 +33,7 @@ from cutlass._mlir.dialects import llvm
 
 from flint_aot import Kernel
 from flint_aot.kernels.device import lanes
-from flint_aot.kernels.gemv_core import as_f32, as_i32, bf16_x_k, ld_act, ld_shared, ld_weight, mma_bf16
+from flint_aot.kernels.gemv_core import SharedX, as_f32, as_i32, ld_act, ld_weight, mma_partials
 
 KQ = 512  # k per CTA (one quarter)
 NB = KQ // 32  # 32-wide blocks
@@ -145,7 +145,7 @@ class WgmmaProbe(Kernel):
             cute.arch.sync_threads()
             for r in range(reps):
                 for G in range(8):
-                    self.group_mma(A, xs, out, ob, (G + r) % 8, g, t)
+                    self.group_mma(A, xs, out, ob, (G + r) % 8, g, tid)
         else:
             xb = self.stage_wg(xs, x, tid)
             cute.arch.sync_threads()
@@ -162,18 +162,10 @@ class WgmmaProbe(Kernel):
                     else:
                         self.pass_wg(A, dbase, out, ob, (P + r) % passes)
 
-    def group_mma(self, A, xs, out, ob, gg, g, t):
-        """One group of 8 tokens, gemv_core.mma_partials' sequence."""
-        z = Float32(0.0)
-        tok = gg * 8 + g
-        X = [ld_shared(xs + (tok * XR + bf16_x_k(t, b))) for b in range(NB)]
-        acc = [[z, z, z, z], [z, z, z, z]]
-        for b in range(NB):
-            lo, hi = A[b]
-            for j in range(2):
-                acc[j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),
-                                       (X[b][2 * j], X[b][2 * j + 1]), acc[j]))  # fmt: skip
-        self.store(out, ob + gg * 8, [acc[0][i] + acc[1][i] for i in range(4)])
+    def group_mma(self, A, xs, out, ob, gg, g, tid):
+        """One group of 8 tokens: gemv_core.mma_partials itself, x from the padded rows."""
+        d = mma_partials(A, SharedX(xs, XR, None), gg * 8 + g, tid, Int32(0), kx=0)
+        self.store(out, ob + gg * 8, d)
 
     def pass_wg(self, A, dbase, out, ob, pp):
         """Tokens n pp .. n pp + n - 1 by wgmma, the same two chains and block order."""
