@@ -1,8 +1,9 @@
 """The wgmma research probe (benchmarks/wgmma_probe, BENCHMARKS.md §2 step 9) compiles to the schedules its
 measurements describe: with 255 registers (2 CTAs per SM) the wgmma of a pass are issued back to back and
 waited for once; with 168 (3 CTAs per SM, the token stream's budget) ptxas serializes them from N = 16 on
-(a wait after every wgmma), and N = 8 still fits. If a new DSL or ptxas changes either, the probe's numbers
-in BENCHMARKS.md are stale: rerun it."""
+(a wait after every wgmma), and N = 8 still fits, as do N = 16 and 32 when a quarter or half of the A
+fragments are read from shared memory (the hybrid modes). If a new DSL or ptxas changes any of it, the probe's
+numbers in BENCHMARKS.md are stale: rerun it."""
 
 import sys
 
@@ -40,6 +41,8 @@ def _waits_between_wgmma(sass):
     ("wg8", 3, "HGMMA.64x8x16.F32.BF16", False),
     ("wg16", 2, "HGMMA.64x16x16.F32.BF16", False),
     ("wg16", 3, "HGMMA.64x16x16.F32.BF16", True),
+    ("h16q", 3, "HGMMA.64x16x16.F32.BF16", False),
+    ("h32h", 3, "HGMMA.64x32x16.F32.BF16", False),
 ])  # fmt: skip
 def test_probe_schedule(mode, ctas, hgmma, serialized, tmp_path):
     s = _probe(mode, ctas, tmp_path)
