@@ -21,9 +21,9 @@ out[cta, row, token]. The spec: `mode` and `ctas`, the register budget
   no-swizzle K-major layout with gemv_core's k permutation applied (see stage_wg);
 * `wg16s`, `wg32s`: the same two chains one after the other (chain 0's sums parked in shared memory, as a
   sender would ship them to their owner): half the accumulator registers;
-* `h16q`, `h16h`, `h32h`: hybrid, N = 16 or 32, the A fragments of the last 4 (q) or 8 (h) of the 16 blocks
-  written once into shared memory by the threads that loaded them (the same k permutation), those wgmma
-  reading A from there (16 or 32 KB a CTA): 32 or 64 registers freed.
+* `h8q`, `h8h`, `h16q`, `h16h`, `h32h`: hybrid, N = 8, 16 or 32, the A fragments of the last 4 (q) or 8 (h)
+  of the 16 blocks written once into shared memory by the threads that loaded them (the same k permutation),
+  those wgmma reading A from there (16 or 32 KB a CTA): 32 or 64 registers freed.
 ptxas serializes the wgmma (C7512, a wait after every one) when the registers do not suffice: wg16 and wg16s
 need 176, wg32 and wg32s 192 (the accumulators halved change nothing), so at 168 all four run serialized.
 """
@@ -54,11 +54,15 @@ MODES = {
     "wg32": 32,
     "wg16s": 16,
     "wg32s": 32,
+    "h8q": 8,
+    "h8h": 8,
     "h16q": 16,
     "h16h": 16,
     "h32h": 32,
 }
 SMEM_BLOCKS = {
+    "h8q": 4,
+    "h8h": 8,
     "h16q": 4,
     "h16h": 8,
     "h32h": 8,

@@ -17,7 +17,7 @@ import torch
 
 import loader
 
-MODES = ("mma", "wg8", "wg16", "wg32", "wg16s", "wg32s", "h16q", "h16h", "h32h")
+MODES = ("mma", "wg8", "wg16", "wg32", "wg16s", "wg32s", "h8q", "h8h", "h16q", "h16h", "h32h")
 
 
 def launch(mode, grid, w, x, out, reps, ctas=3):
