@@ -290,6 +290,11 @@ def run(bundle: str, specs: list[str]) -> None:
                     row["per further group (median over CTAs)"] = np.median((G[:, -1] - G[:, 0]) / (groups - 1))
                 row["weights in to last group's MMAs"] = np.median(G[:, -1] - L[:, 1])
                 row["q/k exchange (T5 - T4)"] = np.median(L[:qk, 5] - G[:qk, -1])
+                last = G[:, -1].reshape(-1, 8)  # a cluster: 8 consecutive CTAs
+                row["cluster skew of the last group's MMAs (max - min)"] = np.median(np.ptp(last, axis=1))
+                row["q/k exchange after the cluster's last MMAs"] = np.median(
+                    L[:qk, 5] - np.repeat(last.max(axis=1), 8)[:qk]
+                )
             if design == "separate":
                 nn = nt[i + 1]  # the norm kernel between qkv layers i and i + 1
                 row["norm: wait-return after the last qkv store"] = nn[:, 1].max() - L[:, 6].max()
