@@ -56,9 +56,6 @@ K_PART = core.K // CLUSTER  # activations each CTA of a cluster copies for all 8
 GROUP = core.GROUP
 QUARTERS = core.WARPS  # the token stream: K quarters per row block, CTAs per quad (a quad: 64 rows)
 EPI_CHUNK = 4  # the token stream's epilogue: groups whose arithmetic runs as one straight line
-# tiles up to this issue every group's cos/sin loads when the epilogue starts, under its first pass (tiles
-# 16 and 32: 0.2-0.45 us faster for NVFP4 (32, 4); at tile 64 the 16 loads a thread at once were slower)
-ROPE_FIRST_TILE = 32
 
 
 class QkvKernel(Kernel):
@@ -85,7 +82,10 @@ class QkvKernel(Kernel):
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
         self.groups = self.tile // GROUP
         self.epi_chunk = min(EPI_CHUNK, self.groups)  # the token stream's epilogue, groups per chunk
-        self.rope_first = self.streamed and self.tile <= ROPE_FIRST_TILE
+        # a second pass of one chunk (tiles 16 and 32) loads every group's cos/sin when the epilogue starts,
+        # under its first pass (NVFP4 (32, 4) 0.2-0.5 us faster; tile 64's two chunks loading all 16 values
+        # a thread at once were slower than each chunk its own: BENCHMARKS.md §2 step 11)
+        self.rope_first = self.streamed and self.groups <= EPI_CHUNK
         self.meta_threads = min(self.tile, 32)  # the token stream: warp 0 stages slots and positions
         self.xrow = core.smem_row(self.fp4)  # tile 8: x of all K per token in shared memory
         # bytes each CTA of a q/k head receives over DSMEM per group of 8 tokens: the 8 ranks' per-token sums
@@ -418,14 +418,14 @@ class QkvKernel(Kernel):
         to bf16 and the epilogue's first half (v head: the cache store; q/k head: the exchange), so that every
         exchange is under way while the peers' later groups still arrive; then the second half (q/k head: the
         norm, RoPE and stores), EPI_CHUNK groups at a time, the sum taken again from shared memory. A chunk
-        loads its cos/sin (tiles up to ROPE_FIRST_TILE: every group's, before the first pass), waits for all
-        its exchanges, then runs their arithmetic as one straight line and stores last, so the groups'
-        latencies overlap (with a wait or a store between two groups, they follow one another). Groups past m
-        exist in shared memory; their arithmetic runs on whatever is there, and nothing of it is stored."""
+        loads its cos/sin (a single chunk: every group's, before the first pass), waits for all its exchanges,
+        then runs their arithmetic as one straight line and stores last, so the groups' latencies overlap
+        (with a wait or a store between two groups, they follow one another). Groups past m exist in shared
+        memory; their arithmetic runs on whatever is there, and nothing of it is stored."""
         groups = (a.m + (GROUP - 1)) // GROUP
-        first = None  # rope_first: every group's (ok, cos, sin), loaded now
+        early = None  # rope_first: every group's (ok, cos, sin), loaded now
         if cutlass.const_expr(self.rope_first):
-            first = [self.stream_rope(a, t, s, GROUP * i + t.tk) for i in range(self.groups)]
+            early = [self.stream_rope(a, t, s, GROUP * i + t.tk) for i in range(self.groups)]
         for i in range(groups):
             cute.arch.mbarrier_wait(s.mbr + i, 0)
             tok = GROUP * i + t.tk
@@ -436,8 +436,8 @@ class QkvKernel(Kernel):
             ch = self.epi_chunk
             for c in range((groups + (ch - 1)) // ch):
                 idx = [c * ch + j for j in range(ch)]
-                if cutlass.const_expr(self.rope_first):
-                    ropes = [self.chunk_pick(first[j::ch], c) for j in range(ch)]
+                if cutlass.const_expr(self.rope_first):  # (the only chunk: c == 0)
+                    ropes = early
                 else:
                     ropes = [self.stream_rope(a, t, s, GROUP * i + t.tk) for i in idx]
                 for i in idx:
@@ -450,13 +450,6 @@ class QkvKernel(Kernel):
                 for i, yb in zip(idx, ys, strict=True):
                     tok = GROUP * i + t.tk
                     self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)
-
-    def chunk_pick(self, vals, c):
-        """vals[c] for the run-time chunk index c (a select per further chunk)."""
-        out = vals[0]
-        for k in range(1, len(vals)):
-            out = tuple(cutlass.select_(c == k, b, a) for a, b in zip(out, vals[k], strict=True))
-        return out
 
     def stream_value(self, t, s, st, i):
         """Group i's qkv value of this thread (row r, token 8 i + tk), rounded once to bf16 (as fp32); the
