@@ -20,7 +20,9 @@ docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving 
 
    Per layer (medians over the middle layers of a graph of L layers with distinct weights): the span from the
    layer's first wait-return to its last store, the gap from that to the next layer's first wait-return,
-   phase medians per CTA, and the norm kernel's part of the gap.
+   phase medians per CTA, and the norm kernel's part of the gap; in the token stream also the cluster's skew
+   at its last group (the 8 CTAs' ends of their last MMAs, max - min) and the q/k exchange counted from the
+   cluster's last MMAs, which separates waiting for a peer from the owner's own epilogue.
 """
 
 # ruff: noqa: E501  (PATCHES holds kernel source lines as data)
