@@ -37,7 +37,7 @@ from cutlass._mlir.dialects import llvm
 
 from flint_aot import Kernel
 from flint_aot.kernels.device import lanes
-from flint_aot.kernels.gemv_core import SharedX, as_f32, as_i32, ld_act, ld_weight, mma_partials
+from flint_aot.kernels.gemv_core import SharedX, as_f32, as_i32, ld_act, ld_shared, ld_weight, mma_partials
 
 KQ = 512  # k per CTA (one quarter)
 NB = KQ // 32  # 32-wide blocks
@@ -73,12 +73,6 @@ def ld_word(ptr):
     """4 bytes (2 bf16) of x."""
     return cute.arch.inline_ptx("ld.global.u32 {$w0}, [{$r0}];", write_only_types=[Int32],
                                 read_only_args=[ptr])  # fmt: skip
-
-
-def ld_shared_b(addr):
-    """16 bytes at a shared-memory byte address."""
-    return cute.arch.inline_ptx("ld.shared.v4.u32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Int32] * 4, read_only_args=[addr])  # fmt: skip
 
 
 def st_shared(ptr, v):
@@ -129,7 +123,6 @@ def wgmma_rs(n, acc, a, desc, one):
 
 class WgmmaProbe(Kernel):
     block = (128, 1, 1)
-    min_ctas_per_sm = 3
 
     def __init__(self, spec: dict):
         if set(spec) != {"mode", "ctas"} or spec["mode"] not in MODES or spec["ctas"] not in (2, 3):
@@ -163,8 +156,7 @@ class WgmmaProbe(Kernel):
             src = x + (n * KQ + b * 32 + 4 * j + 2 * c)
             v = [ld_word(src + 8 * i) for i in range(4)]
             off = (n // 8) * GROUP_BYTES + (4 * b + 2 * j + c) * CORE + (n % 8) * 16
-            cute.arch.inline_ptx("st.shared.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
-                                 read_only_args=[xb + off, *v])  # fmt: skip
+            st_shared(xb + off, v)
         return xb
 
     @cute.kernel
@@ -259,7 +251,7 @@ class WgmmaProbe(Kernel):
                     st_shared(park + 16 * i, [as_i32(v) for v in acc[4 * i : 4 * i + 4]])
             else:
                 for blk in range(n // 8):
-                    c0 = [as_f32(v) for v in ld_shared_b(park + 16 * blk)]
+                    c0 = [as_f32(v) for v in ld_shared(park + 16 * blk)]
                     self.store(out, ob + (pp * n + blk * 8), [c0[i] + acc[4 * blk + i] for i in range(4)])
 
     def store(self, out, off, d):
