@@ -180,6 +180,7 @@ def _entry(s: Specialization, key: str, cubin: bytes, meta: dict) -> KernelEntry
         entry=meta["entry"],
         block=tuple(meta["block"]),
         cluster=tuple(meta["cluster"]),
+        cluster_policy=str(meta.get("cluster_policy", "")),
         dyn_smem=int(meta["dyn_smem"]),
         dyn_smem_per_m=int(meta["dyn_smem_per_m"]),
         grid=tuple(meta["grid"]),

@@ -84,6 +84,7 @@ def main(argv: list[str]) -> int:
         "params": [list(p) for p in c.params],
         "block": list(c.block),
         "cluster": list(c.cluster),
+        "cluster_policy": c.cluster_policy,
         "grid": list(c.grid),
         "dyn_smem": c.dyn_smem,
         "dyn_smem_per_m": c.dyn_smem_per_m,

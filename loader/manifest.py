@@ -16,6 +16,8 @@ from pathlib import PurePosixPath
 from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_CC re-exported)
 
 SCHEMA_VERSION = 2  # 2: Param.align (the alignment a kernel assumes of a pointer), dyn_smem_per_m
+# a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
+CLUSTER_POLICIES = ("", "spread", "load_balancing")
 MANIFEST_NAME = "manifest.json"
 
 
@@ -48,6 +50,7 @@ class KernelEntry:
     build_key: str  # hash of (kernel source, DSL version, specialization, arch): the build cache key
     registers: int = 0  # REGCOUNT read from the cubin (informational)
     dyn_smem_per_m: int = 0  # dynamic shared memory per token: a launch for M tokens asks dyn_smem + M x this
+    cluster_policy: str = ""  # the clusters' scheduling policy (CLUSTER_POLICIES; "": the driver's default)
 
     def smem(self, m: int) -> int:
         """Dynamic shared memory (bytes) of a launch for m tokens."""
@@ -237,7 +240,11 @@ def _entry_fields(d: dict, where: str) -> KernelEntry:
         build_key=_str(d, "build_key", where),
         registers=_int(d, "registers", where, default=0),
         dyn_smem_per_m=_int(d, "dyn_smem_per_m", where),
+        cluster_policy=_str(d, "cluster_policy", where) if "cluster_policy" in d else "",
     )
+    if e.cluster_policy not in CLUSTER_POLICIES or (e.cluster_policy and e.cluster == (1, 1, 1)):
+        raise ManifestError(f"{where}: bad cluster_policy {e.cluster_policy!r} (one of {CLUSTER_POLICIES}, "
+                            "only with a cluster); rebuild the bundle")  # fmt: skip
     check_relative_path(e.file, where)
     return e
 

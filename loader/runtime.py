@@ -28,6 +28,10 @@ from loader.manifest import KernelEntry
 
 _PACKAGED_BUNDLE = Path(__file__).resolve().parent / "_bundle"  # installed by `flint-aot pack`
 _DEFAULT_BUNDLE = Path(__file__).resolve().parent.parent / "build" / "flint"  # a source checkout
+_POLICY = {
+    "spread": cu.CUclusterSchedulingPolicy.CU_CLUSTER_SCHEDULING_POLICY_SPREAD,
+    "load_balancing": cu.CUclusterSchedulingPolicy.CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING,
+}
 _FORMAT = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
 
@@ -250,6 +254,12 @@ class Launcher:
             c.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             c.value.clusterDim.x, c.value.clusterDim.y, c.value.clusterDim.z = e.cluster
             attrs.append(c)
+            policy = cluster_policy(e)
+            if policy:
+                s = cu.CUlaunchAttribute()
+                s.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+                s.value.clusterSchedulingPolicyPreference = _POLICY[policy]
+                attrs.append(s)
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)
         return cfg
@@ -357,6 +367,17 @@ class Launcher:
             return cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
         finally:
             cu.cuCtxPopCurrent()
+
+
+def cluster_policy(e: KernelEntry) -> str:
+    """The scheduling policy a cluster kernel is launched with: the manifest's, unless FLINT_CLUSTER_POLICY
+    (default, spread or load_balancing; read when a launcher is built, so set it before load_bundle) overrides
+    it for every cluster kernel: a research switch (benchmarks/ab_bundles.py's `path@policy`), never needed to
+    serve."""
+    policy = os.environ.get("FLINT_CLUSTER_POLICY") or e.cluster_policy
+    if policy not in ("default", *_POLICY, ""):
+        raise ValueError(f"FLINT_CLUSTER_POLICY={policy!r}: use default, spread or load_balancing")
+    return "" if policy == "default" else policy
 
 
 def thread_cache() -> dict:

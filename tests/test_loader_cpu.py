@@ -366,3 +366,55 @@ def test_numpy_is_declared_where_torch_warns_without_it():
     serve = tomllib.loads((ROOT / "loader" / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.split(">")[0].split("=")[0].strip() == "numpy" for d in build), build
     assert sorted(d.split(">")[0].split("=")[0].strip() for d in serve) == ["cuda-bindings", "torch"], serve
+
+
+def _cluster_entry(policy="", cluster=(8, 1, 1)):
+    from loader.manifest import KernelEntry, Param
+
+    return KernelEntry("qkv", "q", {}, "sm_90a", "q.sm_90a.cubin", 1, "0" * 64, "e", (128, 1, 1), cluster,
+                       0, ("ROW_BLOCKS", 1, 1), (Param("x", "ptr", 16),), "k",
+                       cluster_policy=policy)  # fmt: skip
+
+
+def _policies(cfg) -> list:
+    from cuda.bindings import driver as cu
+
+    pid = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
+    return [a.value.clusterSchedulingPolicyPreference.name for a in cfg.attrs[: cfg.numAttrs] if a.id == pid]
+
+
+def test_cluster_policy_is_launched_as_the_manifest_says(monkeypatch):
+    """A cluster kernel's scheduling policy (the token stream's: load_balancing) becomes a launch attribute of
+    both PDL configs; none without one; FLINT_CLUSTER_POLICY overrides it for research, and a wrong name is
+    refused with the names it takes."""
+    from loader.runtime import Launcher
+
+    monkeypatch.delenv("FLINT_CLUSTER_POLICY", raising=False)
+    for pdl in (True, False):
+        assert _policies(Launcher._config(_cluster_entry("load_balancing"), pdl)) == [
+            "CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING"]  # fmt: skip
+        assert _policies(Launcher._config(_cluster_entry(""), pdl)) == []
+    monkeypatch.setenv("FLINT_CLUSTER_POLICY", "default")
+    assert _policies(Launcher._config(_cluster_entry("load_balancing"), True)) == []
+    monkeypatch.setenv("FLINT_CLUSTER_POLICY", "spread")
+    assert _policies(Launcher._config(_cluster_entry(""), True)) == ["CU_CLUSTER_SCHEDULING_POLICY_SPREAD"]
+    assert _policies(Launcher._config(_cluster_entry("", (1, 1, 1)), True)) == []  # no cluster: no policy
+    monkeypatch.setenv("FLINT_CLUSTER_POLICY", "balanced")
+    with pytest.raises(ValueError, match="default, spread or load_balancing"):
+        Launcher._config(_cluster_entry(""), True)
+
+
+def test_manifest_cluster_policy_round_trip_and_refusals():
+    """The policy is an optional manifest field: written and read back, absent (an older bundle) -> the
+    driver's default; an unknown name, or a policy without a cluster, is refused with the fix."""
+    from dataclasses import asdict
+
+    from loader.manifest import ManifestError, _entry_from_dict
+
+    d = asdict(_cluster_entry("load_balancing"))
+    assert _entry_from_dict(d, "m").cluster_policy == "load_balancing"
+    del d["cluster_policy"]
+    assert _entry_from_dict(d, "m").cluster_policy == ""
+    for bad, cluster in (("fast", [8, 1, 1]), ("spread", [1, 1, 1]), (3, [8, 1, 1])):
+        with pytest.raises(ManifestError, match="rebuild the bundle"):
+            _entry_from_dict(dict(d, cluster_policy=bad, cluster=cluster), "m")

@@ -161,6 +161,26 @@ class Reserved(Kernel):
 KERNEL = Reserved
 """
 
+_POLICY = """
+import cutlass.cute as cute
+
+from flint_aot import Kernel
+
+
+class Spreads(Kernel):
+    cluster_policy = "spread"  # without a cluster
+
+    def __init__(self, spec):
+        pass
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer):
+        pass
+
+
+KERNEL = Spreads
+"""
+
 
 @pytest.mark.parametrize("plugin, files, where, says", [
     ({"module": "nowhere_to_be_found"}, {}, "plugins.act.module",
@@ -187,6 +207,8 @@ KERNEL = Reserved
     ({"module": "reserved"}, {"reserved.py": _RESERVED}, "plugins.act.class",
      "Reserved's kernel has a parameter named 'stream', a keyword of loader.launch_kernel; rename the "
      "parameter"),
+    ({"module": "spreads"}, {"spreads.py": _POLICY}, "plugins.act.class",
+     "Spreads: cluster_policy 'spread' must be one of ('', 'spread', 'load_balancing'), only with a cluster"),
 ])  # fmt: skip
 def test_a_plugin_misuse_is_one_line_before_anything_compiles(tmp_path, plugin, files, where, says):
     """The build stops in its checks: one line (file, key, the problem, the fix), exit status 1, no cache

@@ -21,6 +21,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from loader.abi import GRID, MAX_M
 from loader.elf import CubinError, read_cubin
+from loader.manifest import CLUSTER_POLICIES
 
 _C_TYPE = {cute.Pointer: "ptr", Int32: "i32", Int64: "i64", Float32: "f32"}
 _PTR = (BFloat16, 16)  # a pointer's element type and assumed alignment unless the kernel's ptr_types say else
@@ -37,6 +38,7 @@ class Compiled:
     grid: tuple
     dyn_smem: int
     dyn_smem_per_m: int = 0
+    cluster_policy: str = ""
 
 
 class Kernel:
@@ -51,6 +53,9 @@ class Kernel:
     dyn_smem = 0  # dynamic shared memory the kernel may use (bytes): the loader allows launches up to it
     dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
+    # the clusters' scheduling policy, a launch attribute recorded in the manifest: "" (the driver's default),
+    # "spread" or "load_balancing" (loader.manifest.CLUSTER_POLICIES)
+    cluster_policy = ""
 
     def ptr_types(self) -> dict:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
@@ -61,7 +66,8 @@ class Kernel:
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
                               dyn_smem=self.dyn_smem, dyn_smem_per_m=self.dyn_smem_per_m,
-                              min_ctas_per_sm=self.min_ctas_per_sm, grid=grid or self.grid)  # fmt: skip
+                              min_ctas_per_sm=self.min_ctas_per_sm, grid=grid or self.grid,
+                              cluster_policy=self.cluster_policy)  # fmt: skip
 
 
 def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
@@ -96,10 +102,13 @@ def _placeholders(params, ptr_types: dict):
 
 def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tuple, cluster=(1, 1, 1),
                    dyn_smem: int = 0, dyn_smem_per_m: int = 0, ptr_types: dict | None = None,
-                   min_ctas_per_sm: int = 0, grid: tuple | None = None) -> Compiled:  # fmt: skip
+                   min_ctas_per_sm: int = 0, grid: tuple | None = None,
+                   cluster_policy: str = "") -> Compiled:  # fmt: skip
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
-    cubin as .reqntid), cluster and dynamic shared memory (launch attributes: dyn_smem + M x dyn_smem_per_m
-    bytes) and the grid rule (default: the kind's, loader.abi.GRID)."""
+    cubin as .reqntid), cluster, its scheduling policy and dynamic shared memory (launch attributes:
+    dyn_smem + M x dyn_smem_per_m bytes) and the grid rule (default: the kind's, loader.abi.GRID)."""
+    if cluster_policy not in CLUSTER_POLICIES or (cluster_policy and tuple(cluster) == (1, 1, 1)):
+        raise ValueError(f"cluster_policy {cluster_policy!r}: one of {CLUSTER_POLICIES}, only with a cluster")
     kernel.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
     params = kernel_params(kernel, ptr_types)
     launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
@@ -126,7 +135,8 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
     return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster),
-                    tuple(grid) if grid else GRID[kind], dyn_smem, dyn_smem_per_m)  # fmt: skip
+                    tuple(grid) if grid else GRID[kind], dyn_smem, dyn_smem_per_m,
+                    cluster_policy)  # fmt: skip
 
 
 def _check_written(d: Path, cubin: bytes) -> None:
