@@ -6,6 +6,9 @@ bundle (only the variants compared are needed), then
     PYTHONPATH=. python3 benchmarks/ab_bundles.py --bundles build/a build/b [--heads 32x4 16x2] [--m 1 8]
         [--fmt bf16 nvfp4] [--designs separate prologue] [--op qkv gemv]
 
+A bundle given as `path@policy` (`build/a@load_balancing`) launches every cluster kernel with that
+scheduling policy (default, spread, load_balancing) instead of its manifest's.
+
 Prints one markdown row per (op, heads, weights, M, bundle, design): µs per layer, first and second pass, and
 whether its results (q and the cache of every layer, or y) are bit-identical to the first bundle's.
 `--op gemv` times the standalone GEMV (loader.gemv) on the same layers' weights instead: the weight stream
@@ -13,6 +16,7 @@ without the norm, the cluster and the epilogue.
 """
 
 import argparse
+import os
 
 import torch
 from bench_qkv import LayerChain, gemv_layers, median_graph_us  # (benchmarks/ is the script's directory)
@@ -42,6 +46,14 @@ def results(chain: LayerChain, op: str, m: int, design: str) -> list:
     return out
 
 
+def use(b: str) -> None:
+    """Serve from bundle b, "path" or "path@policy": every cluster kernel launched with that scheduling policy
+    (default, spread, load_balancing) instead of its manifest's (loader.runtime.cluster_policy)."""
+    path, _, policy = b.partition("@")
+    os.environ["FLINT_CLUSTER_POLICY"] = policy
+    loader.load_bundle(path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundles", nargs="+", required=True)
@@ -61,7 +73,7 @@ def main():
                 fn = chain.fn(m) if op == "qkv" else gemv_layers(chain.ws, m)
                 times, same = {}, {}
                 for b in args.bundles:  # results of one pass, against the first bundle's that has them
-                    loader.load_bundle(b)
+                    use(b)
                     for d in args.designs if op == "qkv" else ["-"]:
                         try:
                             same[b, d] = results(chain, op, m, d)
@@ -73,7 +85,7 @@ def main():
                 same = {k: all(map(torch.equal, r, ref)) for k, r in same.items()}
                 for _ in range(2):
                     for b in args.bundles:
-                        loader.load_bundle(b)
+                        use(b)
                         for d in args.designs if op == "qkv" else ["-"]:
                             if (b, d) not in same:
                                 continue
