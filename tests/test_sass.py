@@ -139,20 +139,38 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
 @pytest.mark.parametrize("kind,fmt,norm", [("qkv", "bf16", "separate"), ("qkv", "nvfp4", "prologue"),
                                            ("gemv", "bf16", None)])  # fmt: skip
 def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
-    """The token stream's x ring (dynamic shared memory: 3 stages of 8 tokens' K quarter; 2 in the prologue
-    design) is the same for 32 and 64 tokens, and the code is the same loop: what grows with the tile is only
-    the owner's per-group buffers (partial sums, the exchange, slots and positions, the prologue's sums of
-    squares), at most 3.6 KB per group of 8 tokens. And three CTAs of the 64-token kernel fit the 164 KB
-    carveout (1 KB reserved per CTA), which leaves 92 KB of the SM's 256 KB to L1: the weight loads in flight
-    pass through it (a 64-token kernel whose three CTAs took the 228 KB carveout got its weights 2 us later
-    and cost 2.4 us more per layer, BENCHMARKS.md)."""
+    """The token stream's x ring (dynamic shared memory, stages of 8 tokens' K quarter) has a fixed number of
+    stages whatever M: 3 at 64 tokens, 2 in the prologue design; the fused kernel's 32-token ring holds its 4
+    groups, and is still no larger than the 64-token kernel's ring plus its further buffers. What grows with
+    the tile is the owner's per-group buffers (partial sums, the exchange, slots and positions, the
+    prologue's sums of squares), at most 3.6 KB per group of 8 tokens. And three CTAs of the 32- and 64-token
+    kernels fit the 164 KB carveout (1 KB reserved per CTA), which leaves 92 KB of the SM's 256 KB to L1: the
+    weight loads in flight pass through it (a 64-token kernel whose three CTAs took the 228 KB carveout got
+    its weights 2 us later and cost 2.4 us more per layer, BENCHMARKS.md)."""
+    from flint_aot.kernels import gemv_core as core
+
     sizes = []
     for tile in (32, 64):
         c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")
         sizes.append((_static_smem(c.cubin), c.dyn_smem))
     (s32, d32), (s64, d64) = sizes
-    assert d32 == d64 > 0 and 0 <= s64 - s32 <= 4 * 3712, sizes
-    assert 3 * (s64 + d64 + 1024) <= 164 * 1024, sizes
+    stage = core.GROUP * core.stream_row(fmt == "nvfp4") * 2
+    stages32 = 4 if (kind, norm) == ("qkv", "separate") else (2 if norm == "prologue" else 3)
+    assert d32 == stages32 * stage and d64 == (2 if norm == "prologue" else 3) * stage, sizes
+    assert 0 <= s64 - s32 <= 4 * 3712 and s32 + d32 <= s64 + d64, sizes
+    for s, d in sizes:
+        assert 3 * (s + d + 1024) <= 164 * 1024, sizes
+
+
+def test_the_stream_asks_for_load_balanced_clusters():
+    """The token stream's kernels are launched with the load-balancing cluster policy (BENCHMARKS.md §2 step
+    12), the 8-token kernels with the driver's default, for which they were measured faster."""
+    from flint_aot.kernels import kernel_class
+
+    for fmt in ("bf16", "nvfp4"):
+        for tile in (8, 16, 32, 64):
+            k = kernel_class("qkv")(_spec("qkv", fmt, "bf16", "separate", tile))
+            assert k.cluster_policy == ("load_balancing" if tile > 8 else ""), (fmt, tile)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

@@ -73,11 +73,18 @@ class QkvKernel(Kernel):
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
         self.streamed = self.tile > GROUP  # the token stream (docs/kernels.md §2.5)
         if self.streamed:
-            # (the prologue design fills its ring itself, one group ahead: 2 stages)
-            stages = 2 if self.prologue else core.STAGES
+            # (the prologue design fills its ring itself, one group ahead: 2 stages.) The 32-token kernel's
+            # ring holds all 4 of its groups: its 3 CTAs still fit the 164 KB carveout, and every group's x is
+            # in flight from the start (0.1-0.5 us faster at M = 32; a 4th or 5th stage at tile 64 needs the
+            # 196 KB carveout and was slower: BENCHMARKS.md §2 step 12)
+            stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages)
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
+            # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
+            # every row from M = 12 to 64 (the 8-token kernels lose 0.7-2 us with it: default there;
+            # BENCHMARKS.md §2 step 12)
+            self.cluster_policy = "load_balancing"
         else:
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
         self.groups = self.tile // GROUP
