@@ -204,7 +204,7 @@ def test_cli_prints_one_line_before_anything_else(tmp_path):
 
 def test_sanitizer_bundle_holds_every_kernel_its_script_reaches():
     """configs/sanitize.yaml (the bundle compute-sanitizer loads, tools/sanitize_case.py --bundle) holds every
-    kernel that `tools/sanitize_case.py 1 16 64` launches: the fused cases with those M in both formats, both
+    kernel that `tools/sanitize_case.py 1 16 32 64` launches: the fused cases with those M in both formats, both
     cache dtypes and both designs, on the smallest token tile that holds M; the norm with and without a
     residual; the unfused path at the largest M. The script's cases are read from its source (it runs on
     import)."""
@@ -218,7 +218,7 @@ def test_sanitizer_bundle_holds_every_kernel_its_script_reaches():
                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "CASES"]  # fmt: skip
     have = [(s.kind, s.spec) for s in expand(load_config("configs/sanitize.yaml"))]
     need = [("norm", abi.norm_spec(r)) for r in (True, False)]
-    ms = (1, 16, 64)
+    ms = (1, 16, 32, 64)
     for rope, (nq, nkv), m in cases:
         if m not in ms:
             continue
@@ -232,6 +232,6 @@ def test_sanitizer_bundle_holds_every_kernel_its_script_reaches():
         ("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(True, "fp8_e4m3")),
     ]  # the unfused path
     n_qkv = sum(k == "qkv" for k, _ in need)
-    assert n_qkv >= 3 * 2 * 2 * 2, "the script's cases no longer reach M = 1, 16, 64"
+    assert n_qkv >= 4 * 2 * 2 * 2, "the script's cases no longer reach M = 1, 16, 32, 64"
     missing = [n for n in need if n not in have]
     assert not missing, missing
