@@ -204,8 +204,8 @@ def test_cli_prints_one_line_before_anything_else(tmp_path):
 
 def test_sanitizer_bundle_holds_every_kernel_its_script_reaches():
     """configs/sanitize.yaml (the bundle compute-sanitizer loads, tools/sanitize_case.py --bundle) holds every
-    kernel that `tools/sanitize_case.py 1 16 32 64` launches: the fused cases with those M in both formats, both
-    cache dtypes and both designs, on the smallest token tile that holds M; the norm with and without a
+    kernel that `tools/sanitize_case.py 1 16 32 64` launches: the fused cases with those M in both formats,
+    both cache dtypes and both designs, on the smallest token tile that holds M; the norm with and without a
     residual; the unfused path at the largest M. The script's cases are read from its source (it runs on
     import)."""
     import ast
