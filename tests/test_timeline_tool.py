@@ -25,9 +25,10 @@ def test_every_anchor_is_found_once(tmp_path):
     dst = _instrument(tmp_path)
     qkv = (dst / "flint_aot/kernels/qkv.py").read_text()
     norm = (dst / "flint_aot/kernels/norm.py").read_text()
-    assert all(f"v_scale + (cta * 16 + {i})" in qkv for i in (0, 1, 7))  # T0, T1 and the SM id
-    assert all(f"v_scale + (t.cta * 16 + {i})" in qkv for i in range(2, 7))  # T2..T6
-    assert "v_scale + (t.cta * 16 + 8 + i)" in qkv  # the token stream's groups' MMA ends
+    assert all(f"v_scale + (cta * 32 + {i})" in qkv for i in (0, 1, 7))  # T0, T1 and the SM id
+    assert all(f"v_scale + (t.cta * 32 + {i})" in qkv for i in range(2, 7))  # T2..T6
+    assert "v_scale + (t.cta * 32 + 8 + i)" in qkv  # the token stream's groups' MMA ends
+    assert "v_scale + (t.cta * 32 + 16 + i)" in qkv  # and the moments their x was in
     assert all(f"trace + (row * 8 + {i}) * 2" in norm for i in (1, 2, 3, 7))
     assert "TRACE_CB(st" in (dst / "flint_aot/kernels/gemv_core.py").read_text()
     assert "debug" not in (dst / "configs/timeline.yaml").read_text()  # no serving keys changed
@@ -55,8 +56,9 @@ def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt, tile):
     assert "'trace'" in r.stdout  # the norm kernel's extra parameter
     q = _sass((dst / "q.cubin").read_bytes(), tmp_path)
     n = _sass((dst / "n.cubin").read_bytes(), tmp_path)
-    # T0..T6 and the groups' ends; the token stream reads T5 after each of a chunk's 4 exchange waits
-    timers = 7 if tile == 8 else 10
+    # T0..T6 and the groups' ends; the token stream reads T5 after each of a chunk's 4 exchange waits, and
+    # each group's x-in moment
+    timers = 7 if tile == 8 else 11
     assert sum("SR_GLOBALTIMERLO" in ln for ln in q) == timers
     assert sum("SR_GLOBALTIMERLO" in ln for ln in n) == 4
     assert not any("STL" in ln or "LDL" in ln for ln in q + n)

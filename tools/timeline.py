@@ -10,7 +10,8 @@ docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving 
    Thread 0 of every qkv CTA then writes %globaltimer (ns) at T0 start, T1 its weights arrived, T2 its
    griddepcontrol.wait returned, T3 the activations are in shared memory (the token stream: its first
    group's x), T4 the GEMV is done, T5 the (last) q/k epilogue exchange is done, T6 its last store is issued
-   (and %smid), and in the token stream the end of each group's MMAs; the norm kernel T0 start, T1 wait
+   (and %smid), and in the token stream the end of each group's MMAs (two-kernel design: and the moment
+   its x stage was in); the norm kernel T0 start, T1 wait
    returned, T2 reduced, T3 stored. The qkv kernel writes into `v_scale`, which a BF16-cache build never
    reads; the norm kernel gets a trailing `trace` parameter. Both are filled by this tool (the loader
    refuses the norm kernel's extra parameter on its own).
@@ -22,7 +23,9 @@ docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving 
    layer's first wait-return to its last store, the gap from that to the next layer's first wait-return,
    phase medians per CTA, and the norm kernel's part of the gap; in the token stream also the cluster's skew
    at its last group (the 8 CTAs' ends of their last MMAs, max - min) and the q/k exchange counted from the
-   cluster's last MMAs, which separates waiting for a peer from the owner's own epilogue.
+   cluster's last MMAs, which separates waiting for a peer from the owner's own epilogue, and a further
+   group's time split in two: from its x in to its MMAs done (the fragments and MMAs), and from the previous
+   group's MMAs to its x in (the ring's barrier and refill, the sends, the wait for the stage).
 """
 
 # ruff: noqa: E501  (PATCHES holds kernel source lines as data)
@@ -61,9 +64,11 @@ def _tl_store(tid, ptr, val):
 '''
 
 # (file, anchor, replacement): each anchor must occur exactly once
-SLOTS = 16  # trace words per qkv CTA: T0..T6, %smid, then the token stream's groups' MMA ends
-_QKV_AT = "v_scale + (cta * 16 + {})"
-_T_AT = "a.v_scale + (t.cta * 16 + {})"
+# trace words per qkv CTA: T0..T6, %smid, then the token stream's groups' MMA ends (8 + i) and, in the
+# two-kernel design, the moments their x was in (16 + i)
+SLOTS = 32
+_QKV_AT = f"v_scale + (cta * {SLOTS} + {{}})"
+_T_AT = f"a.v_scale + (t.cta * {SLOTS} + {{}})"
 _GROUP_END = f"                _tl_store(t.tid, {_T_AT.format('8 + i')}, _tl_time(core.runtime_zero([device.f32_bits(d[0])], a.m)))\n"
 PATCHES = [
     ("flint_aot/kernels/gemv_core.py", "K = HIDDEN\n", "K = HIDDEN\nTRACE_CB = None  # timeline builds\n"),
@@ -129,7 +134,9 @@ PATCHES = [
         "                if i == 0:\n"
         "                    cute.arch.mbarrier_wait(s.mbx, 0)\n"
         f"                    _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
-        "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)\n" + _GROUP_END,
+        "                xi = self.core.stage(s.xs, s.mbx, i)\n"
+        f"                _tl_store(t.tid, {_T_AT.format('16 + i')}, _tl_time(a.m >> 31))\n"
+        "                d = self.core.partials(st, xi, i, a.m, t.tid)\n" + _GROUP_END,
     ),
     (
         "flint_aot/kernels/qkv.py",
@@ -265,6 +272,7 @@ def run(bundle: str, specs: list[str]) -> None:
         base = t[:, :, 0].min()
         groups = -(-m // 8)
         t, sm, ge = (t[:, :, :7] - base) % (1 << 32), t[:, :, 7], (t[:, :, 8 : 8 + groups] - base) % (1 << 32)
+        gx = (tq.cpu().numpy().astype(np.int64)[:, :, 16 : 16 + groups] - base) % (1 << 32)
         nt = (tn.cpu().numpy().astype(np.int64)[:, :m, :4] - base) % (1 << 32)
         qk = (nq + nkv) * 8  # CTAs of q/k heads (the exchange)
         rows = []
@@ -291,6 +299,12 @@ def run(bundle: str, specs: list[str]) -> None:
                 if groups > 1:
                     row["per further group (median over CTAs)"] = np.median((G[:, -1] - G[:, 0]) / (groups - 1))
                 row["weights in to last group's MMAs"] = np.median(G[:, -1] - L[:, 1])
+                if design == "separate" and groups > 1:  # a further group: x in -> its MMAs done, and the rest
+                    X = gx[i]
+                    row["per further group: its x in to its MMAs done"] = np.median(
+                        (G[:, 1:] - X[:, 1:]).mean(axis=1))
+                    row["per further group: previous MMAs done to its x in"] = np.median(
+                        (X[:, 1:] - G[:, :-1]).mean(axis=1))
                 row["q/k exchange (T5 - T4)"] = np.median(L[:qk, 5] - G[:qk, -1])
                 last = G[:, -1].reshape(-1, 8)  # a cluster: 8 consecutive CTAs
                 row["cluster skew of the last group's MMAs (max - min)"] = np.median(np.ptp(last, axis=1))
