@@ -30,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 
 from flint_aot.config import ConfigError, expand
-from loader.manifest import CLUSTER_POLICIES
+from loader.manifest import cluster_policy_problem
 
 PATH_ENV = "FLINT_AOT_PLUGIN_PATH"  # the folder appended to sys.path of the check and compile processes
 RESERVED = ("stream", "smem", "pdl")  # loader.launch_kernel's own keywords: no kernel parameter may use them
@@ -157,9 +157,9 @@ def _check_one(src: str, kind: str, p: dict) -> dict:
             raise ConfigError(f"{where}.class: {name} (spec {spec}) needs block and cluster of three "
                               "positive ints, dyn_smem an int >= 0 and no dyn_smem_per_m "
                               "(docs/plugins.md §2)")  # fmt: skip
-        if k.cluster_policy not in CLUSTER_POLICIES or (k.cluster_policy and tuple(k.cluster) == (1, 1, 1)):
-            raise ConfigError(f"{where}.class: {name}: cluster_policy {k.cluster_policy!r} must be one of "
-                              f"{CLUSTER_POLICIES}, only with a cluster (docs/plugins.md §2)")  # fmt: skip
+        bad = cluster_policy_problem(k.cluster_policy, k.cluster)
+        if bad:
+            raise ConfigError(f"{where}.class: {name}: {bad} (docs/plugins.md §2)")
     sha, files = sources(mod)
     return {"module": p["module"], "class": name, "source_sha256": sha, "files": files,
             "version": version_of(p["module"])}  # fmt: skip

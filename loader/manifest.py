@@ -18,6 +18,16 @@ from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_C
 SCHEMA_VERSION = 2  # 2: Param.align (the alignment a kernel assumes of a pointer), dyn_smem_per_m
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")
+
+
+def cluster_policy_problem(policy, cluster) -> str:
+    """What is wrong with a kernel's cluster scheduling policy ("" if nothing): one of CLUSTER_POLICIES, and
+    set only with a cluster."""
+    if policy not in CLUSTER_POLICIES:
+        return f"cluster_policy {policy!r} is not one of {CLUSTER_POLICIES}"
+    if policy and tuple(cluster) == (1, 1, 1):
+        return f"cluster_policy {policy!r} needs a cluster (cluster is (1, 1, 1))"
+    return ""
 MANIFEST_NAME = "manifest.json"
 
 
@@ -242,9 +252,9 @@ def _entry_fields(d: dict, where: str) -> KernelEntry:
         dyn_smem_per_m=_int(d, "dyn_smem_per_m", where),
         cluster_policy=_str(d, "cluster_policy", where) if "cluster_policy" in d else "",
     )
-    if e.cluster_policy not in CLUSTER_POLICIES or (e.cluster_policy and e.cluster == (1, 1, 1)):
-        raise ManifestError(f"{where}: bad cluster_policy {e.cluster_policy!r} (one of {CLUSTER_POLICIES}, "
-                            "only with a cluster); rebuild the bundle")  # fmt: skip
+    bad = cluster_policy_problem(e.cluster_policy, e.cluster)
+    if bad:
+        raise ManifestError(f"{where}: {bad}; rebuild the bundle")
     check_relative_path(e.file, where)
     return e
 

@@ -208,7 +208,7 @@ KERNEL = Spreads
      "Reserved's kernel has a parameter named 'stream', a keyword of loader.launch_kernel; rename the "
      "parameter"),
     ({"module": "spreads"}, {"spreads.py": _POLICY}, "plugins.act.class",
-     "Spreads: cluster_policy 'spread' must be one of ('', 'spread', 'load_balancing'), only with a cluster"),
+     "Spreads: cluster_policy 'spread' needs a cluster (cluster is (1, 1, 1)) (docs/plugins.md §2)"),
 ])  # fmt: skip
 def test_a_plugin_misuse_is_one_line_before_anything_compiles(tmp_path, plugin, files, where, says):
     """The build stops in its checks: one line (file, key, the problem, the fix), exit status 1, no cache

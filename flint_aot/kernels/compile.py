@@ -21,7 +21,7 @@ from cutlass.cute.runtime import make_fake_stream, make_ptr
 
 from loader.abi import GRID, MAX_M
 from loader.elf import CubinError, read_cubin
-from loader.manifest import CLUSTER_POLICIES
+from loader.manifest import cluster_policy_problem
 
 _C_TYPE = {cute.Pointer: "ptr", Int32: "i32", Int64: "i64", Float32: "f32"}
 _PTR = (BFloat16, 16)  # a pointer's element type and assumed alignment unless the kernel's ptr_types say else
@@ -107,8 +107,9 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
     cubin as .reqntid), cluster, its scheduling policy and dynamic shared memory (launch attributes:
     dyn_smem + M x dyn_smem_per_m bytes) and the grid rule (default: the kind's, loader.abi.GRID)."""
-    if cluster_policy not in CLUSTER_POLICIES or (cluster_policy and tuple(cluster) == (1, 1, 1)):
-        raise ValueError(f"cluster_policy {cluster_policy!r}: one of {CLUSTER_POLICIES}, only with a cluster")
+    bad = cluster_policy_problem(cluster_policy, cluster)
+    if bad:
+        raise ValueError(bad)
     kernel.set_name_prefix(entry_prefix, remove_cutlass_symbol=True, keep_mangled_name=False)
     params = kernel_params(kernel, ptr_types)
     launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
