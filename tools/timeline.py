@@ -271,8 +271,8 @@ def run(bundle: str, specs: list[str]) -> None:
         t = tq.cpu().numpy().astype(np.int64)
         base = t[:, :, 0].min()
         groups = -(-m // 8)
+        gx = (t[:, :, 16 : 16 + groups] - base) % (1 << 32)
         t, sm, ge = (t[:, :, :7] - base) % (1 << 32), t[:, :, 7], (t[:, :, 8 : 8 + groups] - base) % (1 << 32)
-        gx = (tq.cpu().numpy().astype(np.int64)[:, :, 16 : 16 + groups] - base) % (1 << 32)
         nt = (tn.cpu().numpy().astype(np.int64)[:, :m, :4] - base) % (1 << 32)
         qk = (nq + nkv) * 8  # CTAs of q/k heads (the exchange)
         rows = []
