@@ -24,7 +24,7 @@ from cuda.bindings import driver as cu
 
 from loader.abi import ARCH_CC, MAX_M, NORM_MODES
 from loader.bundle import REBUILD, Bundle, BundleError
-from loader.manifest import KernelEntry
+from loader.manifest import CLUSTER_POLICIES, KernelEntry
 
 _PACKAGED_BUNDLE = Path(__file__).resolve().parent / "_bundle"  # installed by `flint-aot pack`
 _DEFAULT_BUNDLE = Path(__file__).resolve().parent.parent / "build" / "flint"  # a source checkout
@@ -375,7 +375,7 @@ def cluster_policy(e: KernelEntry) -> str:
     it for every cluster kernel: a research switch (benchmarks/ab_bundles.py's `path@policy`), never needed to
     serve."""
     policy = os.environ.get("FLINT_CLUSTER_POLICY") or e.cluster_policy
-    if policy not in ("default", *_POLICY, ""):
+    if policy not in ("default", *CLUSTER_POLICIES):
         raise ValueError(f"FLINT_CLUSTER_POLICY={policy!r}: use default, spread or load_balancing")
     return "" if policy == "default" else policy
 
