@@ -455,23 +455,27 @@ class StreamGemv:
         self.fp4, self.tile, self.pre = fp4, tile, pre
         self.groups = tile // GROUP
         self.stages = min(stages, self.groups)
+        self.refills = self.groups > self.stages  # stages are refilled (else the ring holds every group)
         self.xrow = stream_row(fp4)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
 
     def alloc(self):
         """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums
-        [group][quarter][row][token] fp32, one mbarrier per stage (x copies) and per group (partial sums)."""
+        [group][quarter][row][token] fp32, one mbarrier per stage (its x copies landed; where stages are
+        refilled, a second: every warp is done with it) and one per group (partial sums)."""
         xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
         red = cute.arch.alloc_smem(Float32, self.groups * PART_WORDS, alignment=16)
-        mbx = cute.arch.alloc_smem(Int64, self.stages, alignment=8)
+        mbx = cute.arch.alloc_smem(Int64, (2 if self.refills else 1) * self.stages, alignment=8)
         mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
         return xs, red, mbx, mbr
 
     def arm(self, xs, red, mbx, mbr):
-        """Thread 0, before the cluster arrive: initialise the mbarriers; each group's expects its 4 quarters'
-        partial sums."""
+        """Thread 0, before the cluster arrive: initialise the mbarriers (a stage's "read" one takes an
+        arrival from every thread); each group's expects its 4 quarters' partial sums."""
         for i in range(self.stages):
             cute.arch.mbarrier_init(mbx + i, 1)
+            if self.refills:
+                cute.arch.mbarrier_init(mbx + self.stages + i, THREADS)
         for i in range(self.groups):
             cute.arch.mbarrier_init(mbr + i, 1)
         cute.arch.mbarrier_init_fence()
@@ -496,6 +500,21 @@ class StreamGemv:
         if tid < n:
             bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER),
                       mbx + stg, QUARTER * 2)  # fmt: skip
+
+    @cute.jit
+    def refill(self, xs, mbx, x, q, i, m, tid):
+        """After group i's MMAs (the 64-token ring, whose stages are refilled): every thread arrives on the
+        stage's "read" mbarrier (release: its fragment reads come before the copies); only the copying
+        threads (tid < 8) wait for all 128 and bring group i + stages into the stage; the other warps go on
+        without a CTA barrier. The warp barrier after it makes warp 0 whole again before its next shuffles
+        and MMAs: without it ptxas could no longer prove warp 0 converged (168 registers instead of 159,
+        every shuffle given a collective fallback; NVFP4 up to 1.2 us slower at M = 64, BENCHMARKS.md)."""
+        rd = mbx + self.stages + i % self.stages
+        cute.arch.mbarrier_arrive(rd)
+        if tid < GROUP:
+            cute.arch.mbarrier_wait(rd, (i // self.stages) % 2)
+            self.fill(xs, mbx, x, q, i + self.stages, m, tid)
+        cute.arch.sync_warp()
 
     def stage(self, xs, mbx, i, wait: bool = True):
         """Ring stage of group i as a SharedX (after waiting for its copies, if wait)."""

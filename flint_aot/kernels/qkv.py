@@ -413,10 +413,9 @@ class QkvKernel(Kernel):
         else:
             for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
-                if i + self.core.stages < groups:
-                    cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
-                    if t.tid < GROUP:
-                        self.core.fill(s.xs, s.mbx, a.x, q, i + self.core.stages, a.m, t.tid)
+                if cutlass.const_expr(self.core.refills):  # (the 64-token ring; the others hold every group)
+                    if i + self.core.stages < groups:  # stage i % stages, once every warp is done with it
+                        self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
                 self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
