@@ -64,8 +64,9 @@ def _tl_store(tid, ptr, val):
 '''
 
 # (file, anchor, replacement): each anchor must occur exactly once
-# trace words per qkv CTA: T0..T6, %smid, then the token stream's groups' MMA ends (8 + i) and, in the
-# two-kernel design, the moments their x was in (16 + i)
+# trace words per qkv CTA: T0..T6, %smid, then the token stream's groups' MMA ends (8 + i), in the
+# two-kernel design the moments their x was in (16 + i), and its epilogue's steps: the first pass done (24),
+# the first chunk's exchanges in (25) and its stores issued (26)
 SLOTS = 32
 _QKV_AT = f"v_scale + (cta * {SLOTS} + {{}})"
 _T_AT = f"a.v_scale + (t.cta * {SLOTS} + {{}})"
@@ -148,7 +149,20 @@ PATCHES = [
         "flint_aot/kernels/qkv.py",
         "                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)\n\n",
         "                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)\n"
+        f"                if c == 0:\n                    _tl_store(t.tid, {_T_AT.format(26)}, _tl_time(a.m >> 31))\n"
         f"        _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(a.m >> 31))\n\n",
+    ),
+    (  # the token stream's epilogue: its first pass done, the first chunk's exchanges in
+        "flint_aot/kernels/qkv.py",
+        "        if not t.is_v:\n            wn, wp = self.norm_weights(a, t)\n            ch = self.epi_chunk\n",
+        f"        _tl_store(t.tid, {_T_AT.format(24)}, _tl_time(a.m >> 31))\n"
+        "        if not t.is_v:\n            wn, wp = self.norm_weights(a, t)\n            ch = self.epi_chunk\n",
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "                ys = []\n",
+        f"                if c == 0:\n                    _tl_store(t.tid, {_T_AT.format(25)}, _tl_time(a.m >> 31))\n"
+        "                ys = []\n",
     ),
     (
         "flint_aot/kernels/norm.py",
@@ -272,6 +286,7 @@ def run(bundle: str, specs: list[str]) -> None:
         base = t[:, :, 0].min()
         groups = -(-m // 8)
         gx = (t[:, :, 16 : 16 + groups] - base) % (1 << 32)
+        ep = (t[:, :, 24:27] - base) % (1 << 32)  # the stream's epilogue steps
         t, sm, ge = (t[:, :, :7] - base) % (1 << 32), t[:, :, 7], (t[:, :, 8 : 8 + groups] - base) % (1 << 32)
         nt = (tn.cpu().numpy().astype(np.int64)[:, :m, :4] - base) % (1 << 32)
         qk = (nq + nkv) * 8  # CTAs of q/k heads (the exchange)
@@ -305,6 +320,15 @@ def run(bundle: str, specs: list[str]) -> None:
                         (G[:, 1:] - X[:, 1:]).mean(axis=1))
                     row["per further group: previous MMAs done to its x in"] = np.median(
                         (X[:, 1:] - G[:, :-1]).mean(axis=1))
+                if design == "separate":  # the epilogue's steps (q/k heads' CTAs)
+                    E = ep[i]
+                    row["epilogue: last MMAs to its first pass done"] = np.median(E[:qk, 0] - G[:qk, -1])
+                    row["epilogue: first pass done to the first chunk's exchanges in"] = np.median(
+                        E[:qk, 1] - E[:qk, 0])
+                    row["epilogue: the first chunk's arithmetic and stores"] = np.median(E[:qk, 2] - E[:qk, 1])
+                    if groups > 4:
+                        row["epilogue: the first chunk's stores to the last chunk's exchanges in"] = np.median(
+                            L[:qk, 5] - E[:qk, 2])
                 row["q/k exchange (T5 - T4)"] = np.median(L[:qk, 5] - G[:qk, -1])
                 last = G[:, -1].reshape(-1, 8)  # a cluster: 8 consecutive CTAs
                 row["cluster skew of the last group's MMAs (max - min)"] = np.median(np.ptp(last, axis=1))
