@@ -135,7 +135,8 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
     # ptxas lost track (the 64-token ring refilled without a CTA barrier and no warp barrier after the
     # copying threads' branch: 168 registers and NVFP4 up to 1.2 us slower, BENCHMARKS.md §2 step 13)
     assert not any("WARPSYNC.COLLECTIVE" in ln for ln in sass)
-    if tile == 64 and norm != "prologue":  # the ring's refill waits on a "read" mbarrier, not a CTA barrier
+    if (kind, tile, norm) == ("qkv", 64, "separate"):  # its ring's refill waits on a "read" mbarrier, not on
+        # a CTA barrier (the standalone GEMV keeps the barrier: faster for it)
         loop = sass[sass.index(next(ln for ln in after if "HMMA" in ln)):]
         loop = loop[: next(i for i, ln in enumerate(loop) if "STAS.64" in ln)]
         assert not any(re.search(r"\bBAR\.SYNC\b", ln) for ln in loop) and any("UBLKCP" in ln for ln in loop)

@@ -78,9 +78,10 @@ class GemvKernel(Kernel):
         cute.arch.cluster_wait()  # the peers' mbarriers are initialised (before the first send)
         for i in range(groups):
             d = self.stream.partials(st, self.stream.stage(xs, mbx, i), i, m, tid)
-            if cutlass.const_expr(self.stream.refills):  # (the 64-token ring; the others hold every group)
-                if i + self.stream.stages < groups:  # stage i % stages, once every warp is done with it
-                    self.stream.refill(xs, mbx, x, q, i, m, tid)
+            if i + self.stream.stages < groups:
+                cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
+                if tid < GROUP:
+                    self.stream.fill(xs, mbx, x, q, i + self.stream.stages, m, tid)
             self.stream.send(red, mbr, d, i, q, tid)
         for i in range(groups):
             self.store(y, self.stream.total(st, red, mbr, i, tid), quad * core.WARPS + q, i, tid, m, n, False)

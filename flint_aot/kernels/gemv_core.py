@@ -451,11 +451,14 @@ class StreamGemv:
     brings a group's x quarter into the ring, `partials` runs a group's MMAs, `send` hands them to the row
     blocks' owners, `total` is the owner's sum. The caller decides the order (docs/kernels.md §2.5)."""
 
-    def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES):
+    def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False):
         self.fp4, self.tile, self.pre = fp4, tile, pre
         self.groups = tile // GROUP
         self.stages = min(stages, self.groups)
-        self.refills = self.groups > self.stages  # stages are refilled (else the ring holds every group)
+        # the stages are refilled by `refill`, on "read" mbarriers instead of a CTA barrier (the fused
+        # kernel's two-kernel design; the standalone GEMV keeps the CTA barrier, 0.07-0.15 us faster for it
+        # at M = 48-64, and the prologue design fills its ring itself: BENCHMARKS.md §2 step 13)
+        self.refills = read_barriers and self.groups > self.stages
         self.xrow = stream_row(fp4)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
 

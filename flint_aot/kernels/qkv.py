@@ -78,7 +78,7 @@ class QkvKernel(Kernel):
             # in flight from the start (0.1-0.5 us faster at M = 32; a 4th or 5th stage at tile 64 needs the
             # 196 KB carveout and was slower: BENCHMARKS.md §2 step 12)
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
-            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages)
+            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, not self.prologue)
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
             # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
@@ -413,9 +413,13 @@ class QkvKernel(Kernel):
         else:
             for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
-                if cutlass.const_expr(self.core.refills):  # (the 64-token ring; the others hold every group)
+                if cutlass.const_expr(self.core.refills):  # (the 64-token ring)
                     if i + self.core.stages < groups:  # stage i % stages, once every warp is done with it
                         self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+                elif i + self.core.stages < groups:  # never taken: the 16- and 32-token rings hold every
+                    cute.arch.sync_threads()  # group. (Without this branch ptxas unrolls the loop 3 times.)
+                    if t.tid < GROUP:
+                        self.core.fill(s.xs, s.mbx, a.x, q, i + self.core.stages, a.m, t.tid)
                 self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
