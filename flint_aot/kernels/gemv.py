@@ -79,9 +79,7 @@ class GemvKernel(Kernel):
         for i in range(groups):
             d = self.stream.partials(st, self.stream.stage(xs, mbx, i), i, m, tid)
             if i + self.stream.stages < groups:
-                cute.arch.sync_threads()  # every warp has read stage i % stages: refill it
-                if tid < GROUP:
-                    self.stream.fill(xs, mbx, x, q, i + self.stream.stages, m, tid)
+                self.stream.refill(xs, mbx, x, q, i, m, tid)  # (a CTA barrier first)
             self.stream.send(red, mbr, d, i, q, tid)
         for i in range(groups):
             self.store(y, self.stream.total(st, red, mbr, i, tid), quad * core.WARPS + q, i, tid, m, n, False)

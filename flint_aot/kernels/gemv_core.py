@@ -506,18 +506,26 @@ class StreamGemv:
 
     @cute.jit
     def refill(self, xs, mbx, x, q, i, m, tid):
-        """After group i's MMAs (the 64-token ring, whose stages are refilled): every thread arrives on the
-        stage's "read" mbarrier (release: its fragment reads come before the copies); only the copying
-        threads (tid < 8) wait for all 128 and bring group i + stages into the stage; the other warps go on
-        without a CTA barrier. The warp barrier after it makes warp 0 whole again before its next shuffles
-        and MMAs: without it ptxas could no longer prove warp 0 converged (168 registers instead of 159,
-        every shuffle given a collective fallback; NVFP4 up to 1.2 us slower at M = 64, BENCHMARKS.md)."""
-        rd = mbx + self.stages + i % self.stages
-        cute.arch.mbarrier_arrive(rd)
-        if tid < GROUP:
-            cute.arch.mbarrier_wait(rd, (i // self.stages) % 2)
-            self.fill(xs, mbx, x, q, i + self.stages, m, tid)
-        cute.arch.sync_warp()
+        """After group i's MMAs: group i + stages into stage i % stages once every warp is done with it.
+        With read barriers (`refills`, the fused 64-token ring) every thread arrives on the stage's "read"
+        mbarrier (release: its fragment reads come before the copies); only the copying threads (tid < 8)
+        wait for all 128 and copy; the other warps go on without a CTA barrier. The warp barrier after it
+        makes warp 0 whole again before its next shuffles and MMAs: without it ptxas could no longer prove
+        warp 0 converged (168 registers instead of 159, every shuffle given a collective fallback; NVFP4 up to
+        1.2 us slower at M = 64, BENCHMARKS.md). Otherwise a CTA barrier first (the standalone GEMV; in the
+        16- and 32-token kernels, whose rings hold every group, the caller's branch is never taken, but
+        without it ptxas unrolls their group loop 3 times)."""
+        if cutlass.const_expr(self.refills):
+            rd = mbx + self.stages + i % self.stages
+            cute.arch.mbarrier_arrive(rd)
+            if tid < GROUP:
+                cute.arch.mbarrier_wait(rd, (i // self.stages) % 2)
+                self.fill(xs, mbx, x, q, i + self.stages, m, tid)
+            cute.arch.sync_warp()
+        else:
+            cute.arch.sync_threads()
+            if tid < GROUP:
+                self.fill(xs, mbx, x, q, i + self.stages, m, tid)
 
     def stage(self, xs, mbx, i, wait: bool = True):
         """Ring stage of group i as a SharedX (after waiting for its copies, if wait)."""

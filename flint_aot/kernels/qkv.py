@@ -413,13 +413,8 @@ class QkvKernel(Kernel):
         else:
             for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
-                if cutlass.const_expr(self.core.refills):  # (the 64-token ring)
-                    if i + self.core.stages < groups:  # stage i % stages, once every warp is done with it
-                        self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
-                elif i + self.core.stages < groups:  # never taken: the 16- and 32-token rings hold every
-                    cute.arch.sync_threads()  # group. (Without this branch ptxas unrolls the loop 3 times.)
-                    if t.tid < GROUP:
-                        self.core.fill(s.xs, s.mbx, a.x, q, i + self.core.stages, a.m, t.tid)
+                if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
+                    self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
                 self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
