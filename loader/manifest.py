@@ -15,6 +15,7 @@ from pathlib import PurePosixPath
 # the parameter C types the loader packs, the symbols of grid rules and the archs: defined in loader.abi
 from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_CC re-exported)
 
+MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 2  # 2: Param.align (the alignment a kernel assumes of a pointer), dyn_smem_per_m
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")
@@ -28,7 +29,6 @@ def cluster_policy_problem(policy, cluster) -> str:
     if policy and tuple(cluster) == (1, 1, 1):
         return f"cluster_policy {policy!r} needs a cluster (cluster is (1, 1, 1))"
     return ""
-MANIFEST_NAME = "manifest.json"
 
 
 class ManifestError(ValueError):
