@@ -12,9 +12,9 @@ docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving 
    group's x), T4 the GEMV is done, T5 the (last) q/k epilogue exchange is done, T6 its last store is issued
    (and %smid), and in the token stream the end of each group's MMAs (two-kernel design: and the moment
    its x stage was in) and its epilogue's steps (the first pass done, the first chunk's exchanges in, its
-   stores issued); the norm kernel T0 start, T1 wait returned, T2 reduced, T3 stored. The qkv kernel writes into `v_scale`, which a BF16-cache build never
-   reads; the norm kernel gets a trailing `trace` parameter. Both are filled by this tool (the loader
-   refuses the norm kernel's extra parameter on its own).
+   stores issued); the norm kernel T0 start, T1 wait returned, T2 reduced, T3 stored. The qkv kernel
+   writes into `v_scale`, which a BF16-cache build never reads; the norm kernel gets a trailing `trace`
+   parameter. Both are filled by this tool (the loader refuses the norm kernel's extra parameter on its own).
 2. On the GPU:
 
        PYTHONPATH=. python3 tools/timeline.py run build/timeline 32x4:bf16:1:separate 16x2:nvfp4:8:separate
