@@ -195,8 +195,9 @@ def _int(d: dict, key: str, where: str, default=None) -> int:
     return v
 
 
-def _str(d: dict, key: str, where: str) -> str:
-    v = d[key]
+def _str(d: dict, key: str, where: str, default=None) -> str:
+    """A JSON string field (default: the value when the field is absent; None: the field is required)."""
+    v = d.get(key, default) if default is not None else d[key]
     if not isinstance(v, str):
         raise ManifestError(f"{where}: {key}: expected a string, got {_short(v)}; rebuild the bundle")
     return v
@@ -250,7 +251,7 @@ def _entry_fields(d: dict, where: str) -> KernelEntry:
         build_key=_str(d, "build_key", where),
         registers=_int(d, "registers", where, default=0),
         dyn_smem_per_m=_int(d, "dyn_smem_per_m", where),
-        cluster_policy=_str(d, "cluster_policy", where) if "cluster_policy" in d else "",
+        cluster_policy=_str(d, "cluster_policy", where, default=""),
     )
     bad = cluster_policy_problem(e.cluster_policy, e.cluster)
     if bad:
