@@ -33,7 +33,7 @@ NORM_MODES = ("separate", "prologue")  # qkv: input norm in its own kernel, or i
 # Grid rules name these symbols; the loader supplies their values at launch (ROW_BLOCKS_4: ROW_BLOCKS
 # rounded up to a multiple of 4).
 CALLER_GRID = ("GRID_X", "GRID_Y", "GRID_Z")  # a plugin kernel's rule: the caller gives the grid
-GRID_SYMBOLS = ("M", "M8", "ROW_BLOCKS", "HEADS", "ROW_BLOCKS_4", *CALLER_GRID)
+GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS", "ROW_BLOCKS_4", *CALLER_GRID)
 GRID = {
     "norm": ("M", 1, 1),  # one CTA per token
     "qkv": ("ROW_BLOCKS", 1, 1),  # one CTA per 16 weight rows, clusters of CLUSTER

@@ -72,9 +72,8 @@ def _norm_plan(names, renames, args, has_res) -> plans.Plan:
         checks.tensor("residual", residual, BF16, ROWS[m], dev)
     checks.tensor("weight", weight, BF16, HIDDEN_SHAPE, dev)
     p = plans.Plan(dev, (), names=names)
-    consts = {"m": m} if has_res else {"residual": 0, "m": m}  # (the kernel without residual reads none)
-    plans.bind(p, names + _NORM_VALUES, [(_norm_launcher(dev, has_res), {"M": m, "M8": -(-m // 8)}, consts,
-                                          renames)])
+    consts = {} if has_res else {"residual": 0}  # (the kernel without residual reads none)
+    plans.bind(p, names + _NORM_VALUES, [(_norm_launcher(dev, has_res), {"M": m}, consts, renames)])
     return p
 
 
@@ -198,7 +197,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     kv, consts, stage = _stage(m, nkv, dev, *head)
     if fmt == "bf16":
         consts.update(weight_scale=0, global_scale=0)  # (a BF16 kernel reads no scale)
-    symbols, tile = {"M": m, "M8": -(-m // 8), "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}, abi.m_tiles(m)[0]
+    symbols, tile = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}, abi.m_tiles(m)[0]
     k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, tile),
                   lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, prefer))  # fmt: skip
     p = plans.Plan(dev, (), out=_out(x, dev, m, nq * HEAD_DIM), stage=stage, names=names)
@@ -208,7 +207,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     else:  # the norm kernel writes xn, which the qkv kernel reads as x
         p.xn = True
         c = dict(consts, residual=0, residual_out=0, norm_weight=0, has_residual=0, eps=0.0)
-        norm = (_norm_launcher(dev, has_res), symbols, {"m": m} if has_res else {"residual": 0, "m": m},
+        norm = (_norm_launcher(dev, has_res), symbols, {} if has_res else {"residual": 0},
                 _also(renames, weight="norm_weight"))  # fmt: skip
         launches = [norm, (k, symbols, c, _also(renames, x="xn"))]
     plans.bind(p, names + _QKV_VALUES, launches)
