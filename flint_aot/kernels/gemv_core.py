@@ -98,14 +98,12 @@ class SharedX:
     `ready()` waits on their mbarrier (None: the caller has waited). Passed instead of the global x pointer,
     it changes where the fragments come from, not the MMA sequence: results stay bit-identical."""
 
-    def __init__(self, base, row, mbar, waves: int = 1):
-        self.base, self.row, self.mbar, self.waves = base, row, mbar, waves
+    def __init__(self, base, row, mbar):
+        self.base, self.row, self.mbar = base, row, mbar
 
-    def ready(self, wave=None):
-        """Wait for x (wave None: every wave; else that wave's mbarrier only, mbar + wave)."""
+    def ready(self):
         if self.mbar is not None:
-            for j in range(self.waves) if wave is None else (wave,):
-                cute.arch.mbarrier_wait(self.mbar if j == 0 else self.mbar + j, 0)
+            cute.arch.mbarrier_wait(self.mbar, 0)
 
     def load(self, tok, k):
         return ld_shared(self.base + (tok * self.row + k))
@@ -308,38 +306,12 @@ def fp4_x_k(t, i, kx=0):
     return kx + t * 32 + 128 * (i // 4) + 8 * ((i % 4) ^ (t & 2))
 
 
-def _fp4_mma_steps(D, X, acc, steps):
-    for i in steps:
-        xp = fp4_x_pairs(X[i])
-        a, b = D[0][i], D[1][i]
-        for h in range(2):
-            acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
-                                   (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
-    return acc
-
-
-def _fp4_mma_two_waves(D, x, tok, t, kx):
-    """fp4_mma_partials with x in shared memory arriving in two waves: wave 0 holds the first 128 k of every
-    256-k slice (this quarter's chunks 0 and 2), wave 1 the rest (chunks 1 and 3). Chunk 0's MMAs run as soon
-    as wave 0 is in, while wave 1 still arrives; the steps keep their order (the same sums)."""
-    x.ready(0)
-    X = {i: x.load(tok, fp4_x_k(t, i, kx)) for i in range(FP4_WORDS) if (i // 4) % 2 == 0}
-    z = Float32(0.0)
-    acc = _fp4_mma_steps(D, X, [[z, z, z, z], [z, z, z, z]], range(4))
-    x.ready(1)
-    X.update({i: x.load(tok, fp4_x_k(t, i, kx)) for i in range(FP4_WORDS) if (i // 4) % 2 == 1})
-    acc = _fp4_mma_steps(D, X, acc, range(4, FP4_WORDS))
-    return [acc[0][i] + acc[1][i] for i in range(4)]
-
-
 def fp4_mma_partials(D, x, tok, tid, m, kx=None):
     """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words), x
     and tok as mma_partials. Global x loads are fenced: every one is issued right after the wait, before the
     first MMA."""
     warp, _, g, t = lanes(tid)
     kx = warp * (K // WARPS) if kx is None else kx
-    if isinstance(x, SharedX) and x.waves == 2:
-        return _fp4_mma_two_waves(D, x, tok, t, kx)
     X = _x_loads(x, tok, [fp4_x_k(t, i, kx) for i in range(FP4_WORDS)])
     if isinstance(x, SharedX):
         z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)

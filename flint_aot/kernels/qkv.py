@@ -95,9 +95,6 @@ class QkvKernel(Kernel):
         self.rope_first = self.streamed and self.groups <= EPI_CHUNK
         self.meta_threads = min(self.tile, 32)  # the token stream: warp 0 stages slots and positions
         self.xrow = core.smem_row(self.fp4)  # tile 8: x of all K per token in shared memory
-        # tile 8, two-kernel design, NVFP4: each CTA's slice of x is copied in two halves, each wave on its own
-        # mbarrier, so the MMAs start on the first (DIAG lever X2)
-        self.x_waves = 2 if self.fp4 and not self.prologue and not self.streamed else 1
         # bytes each CTA of a q/k head receives over DSMEM per group of 8 tokens: the 8 ranks' per-token sums
         # of squares, and (RoPE) the 16 x 8 values of its rotation partner (rank ^ 4), as fp32
         self.rx_bytes = CLUSTER * GROUP * 4 + (R * GROUP * 4 if self.rope else 0)
@@ -146,7 +143,7 @@ class QkvKernel(Kernel):
         scale = self.cache_scale(a, t)
         if cutlass.const_expr(self.prologue):
             self.input_norm(a, t, s)
-        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx, self.x_waves), a.m, t.tid)
+        acc = self.gemv.sums(wst, core.SharedX(s.xs, self.xrow, s.mbx), a.m, t.tid)
         hv = acc.to(BFloat16).to(Float32)  # qkv[token, head * 128 + dim], rounded once
         buf = (s.ssq, s.pv, s.mbar)
         self.epilogue_send(a, t, buf, hv, 0, scale, e[0])
@@ -166,11 +163,9 @@ class QkvKernel(Kernel):
         ssn = ssq
         if cutlass.const_expr(self.prologue):
             ssn = cute.arch.alloc_smem(Float32, CLUSTER * GROUP, alignment=16)
-        mbx = cute.arch.alloc_smem(Int64, self.x_waves, alignment=8)
+        mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if t.tid == 0:
             cute.arch.mbarrier_init(mbx, 1)
-            if cutlass.const_expr(self.x_waves == 2):
-                cute.arch.mbarrier_init(mbx + 1, 1)
             if not t.is_v:
                 cute.arch.mbarrier_init(mbar, 1)
             cute.arch.mbarrier_init_fence()
@@ -179,11 +174,7 @@ class QkvKernel(Kernel):
             act_bytes = a.m * (core.K * 2)  # the multicast copies of x
             if cutlass.const_expr(self.prologue):  # the 7 peers' slices of r, the 8 slices' sums of squares
                 act_bytes = a.m * ((CLUSTER - 1) * K_PART * 2 + CLUSTER * 4)
-            if cutlass.const_expr(self.x_waves == 2):
-                cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes // 2)
-                cute.arch.mbarrier_arrive_and_expect_tx(mbx + 1, act_bytes // 2)
-            else:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes)
             if not t.is_v:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.rx_bytes)
         cute.arch.cluster_arrive_relaxed()
@@ -205,14 +196,8 @@ class QkvKernel(Kernel):
         if t.tid < a.m:
             cute.arch.griddepcontrol_wait()
             part = t.rank * K_PART
-            if cutlass.const_expr(self.x_waves == 2):
-                h = K_PART // 2
-                for j in cutlass.range_constexpr(2):
-                    device.bulk_multicast(s.xs + (t.tid * self.xrow + part + j * h),
-                                          a.x + (t.tid * core.K + part + j * h), s.mbx + j, h * 2)  # fmt: skip
-            else:
-                device.bulk_multicast(s.xs + (t.tid * self.xrow + part), a.x + (t.tid * core.K + part), s.mbx,
-                                      K_PART * 2)  # fmt: skip
+            device.bulk_multicast(s.xs + (t.tid * self.xrow + part), a.x + (t.tid * core.K + part), s.mbx,
+                                  K_PART * 2)  # fmt: skip
 
     @cute.jit
     def norm_slices(self, a, t, s):
