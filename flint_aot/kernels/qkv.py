@@ -39,8 +39,6 @@ token's q/k head into NaN; a slot >= num_cache_slots is not written (like a nega
 
 from __future__ import annotations
 
-import os
-
 from types import SimpleNamespace
 
 import cutlass
@@ -137,8 +135,6 @@ class QkvKernel(Kernel):
         # fetched as soon as the weight loads are issued (by threads that wait for the predecessor
         # themselves), NVFP4 after the guarded wait: a waiting thread's warp cannot decode (measured,
         # two-kernel design: BF16 up to 0.17 us per layer faster, NVFP4 0.1-0.35 slower that way)
-        if cutlass.const_expr(not self.fp4 and os.environ.get("FLINT_PX") == "1"):
-            self.prefetch_partner(a, t)
         wst = self.gemv.start(a.weight, a.weight_scale, a.global_scale, t.cta * R, t.tid, a.m,
                               issued=None if self.fp4 else lambda: self.activations(a, t, s))  # fmt: skip
         if cutlass.const_expr(self.fp4):
@@ -152,16 +148,6 @@ class QkvKernel(Kernel):
         buf = (s.ssq, s.pv, s.mbar)
         self.epilogue_send(a, t, buf, hv, 0, scale, e[0])
         self.epilogue_finish(a, t, buf, hv, 0, scale, e, wn, wp)
-
-    @cute.jit
-    def prefetch_partner(self, a, t):
-        """DIAG lever PX: a CTA of the grid's first half prefetches into L2 the 64 KB weight slice of the CTA half
-        a grid later (one bulk prefetch), which starts later."""
-        n, _, _ = cute.arch.grid_dim()
-        half = n // 2
-        if t.tid == 0 and t.cta < half:
-            src = a.weight + (t.cta + half) * (R * core.K)
-            cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], 65536;", read_only_args=[src])
 
     @cute.jit
     def shared(self, a, t):
