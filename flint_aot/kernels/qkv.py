@@ -52,7 +52,7 @@ from flint_aot.kernels.device import NORM_VEC
 from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM
 
 R = core.ROWS
-K_PART = core.K // CLUSTER  # activations each CTA of a cluster copies for all 8 (tile 8)
+K_PART = core.K // CLUSTER  # the prologue design (tile 8): the slice of every token each CTA normalises
 GROUP = core.GROUP
 QUARTERS = core.WARPS  # the token stream: K quarters per row block, CTAs per quad (a quad: 64 rows)
 EPI_CHUNK = 4  # the token stream's epilogue: groups whose arithmetic runs as one straight line
@@ -189,15 +189,15 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def copy_activations(self, a, t, s):
-        """Wait on the cluster barrier (every peer's mbarriers are initialised), then threads tid < m wait for
-        the predecessor themselves (griddepcontrol.wait: the copies need no weights, which may still be in
-        flight) and copy this CTA's 1/8 of token tid's activations into all 8 CTAs."""
+        """Wait on the cluster barrier (every peer's mbarriers are initialised); then thread 0 of rank r < m
+        waits for the predecessor itself (griddepcontrol.wait: the copy needs no weights, which may still be
+        in flight) and copies token r's activations, the whole row, into all 8 CTAs: one copy per token (a
+        CTA's 1/8 of every token, 8 copies a token, was 0.1-0.14 us per layer slower for NVFP4 at M = 6-8:
+        BENCHMARKS.md §2 step 15)."""
         cute.arch.cluster_wait()
-        if t.tid < a.m:
+        if t.tid == 0 and t.rank < a.m:
             cute.arch.griddepcontrol_wait()
-            part = t.rank * K_PART
-            device.bulk_multicast(s.xs + (t.tid * self.xrow + part), a.x + (t.tid * core.K + part), s.mbx,
-                                  K_PART * 2)  # fmt: skip
+            device.bulk_multicast(s.xs + t.rank * self.xrow, a.x + t.rank * core.K, s.mbx, core.K * 2)
 
     @cute.jit
     def norm_slices(self, a, t, s):
