@@ -21,7 +21,8 @@ docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving 
 
    Per layer (medians over the middle layers of a graph of L layers with distinct weights): the span from the
    layer's first wait-return to its last store, the gap from that to the next layer's first wait-return,
-   phase medians per CTA, and the norm kernel's part of the gap; in the token stream also the cluster's skew
+   phase medians per CTA (with the cluster's skew of wait-returns, and x's arrival counted from the cluster's
+   last wait-return), and the norm kernel's part of the gap; in the token stream also the cluster's skew
    at its last group (the 8 CTAs' ends of their last MMAs, max - min) and the q/k exchange counted from the
    cluster's last MMAs, which separates waiting for a peer from the owner's own epilogue, and a further
    group's time split in two: from its x in to its MMAs done (the fragments and MMAs), and from the previous
@@ -301,7 +302,11 @@ def run(bundle: str, specs: list[str]) -> None:
                     L[:, 1] < L[:, 2].min()
                 ),
                 "wait-return spread (max - min)": L[:, 2].max() - L[:, 2].min(),
+                "cluster wait-return skew (max - min within a cluster)": np.median(
+                    np.ptp(L[:, 2].reshape(-1, 8), axis=1)),
                 "activations in (T3 - T2)": np.median(L[:, 3] - L[:, 2]),
+                "activations in after the cluster's last wait-return": np.median(
+                    L[:, 3] - np.repeat(L[:, 2].reshape(-1, 8).max(axis=1), 8)),
                 "GEMV (T4 - T3)": np.median(L[:, 4] - L[:, 3]),
                 "q/k exchange (T5 - T4)": np.median(L[:qk, 5] - L[:qk, 4]),
                 "stores (T6 - T5)": np.median(L[:qk, 6] - L[:qk, 5]),
