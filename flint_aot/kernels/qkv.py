@@ -39,8 +39,6 @@ token's q/k head into NaN; a slot >= num_cache_slots is not written (like a nega
 
 from __future__ import annotations
 
-import os
-
 from types import SimpleNamespace
 
 import cutlass
@@ -57,7 +55,6 @@ R = core.ROWS
 K_PART = core.K // CLUSTER  # the prologue design (tile 8): the slice of every token each CTA normalises
 GROUP = core.GROUP
 QUARTERS = core.WARPS  # the token stream: K quarters per row block, CTAs per quad (a quad: 64 rows)
-DIAG_X1D = os.environ.get("FLINT_X1D") == "1"
 EPI_CHUNK = 4  # the token stream's epilogue: groups whose arithmetic runs as one straight line
 
 
@@ -151,13 +148,6 @@ class QkvKernel(Kernel):
         buf = (s.ssq, s.pv, s.mbar)
         self.epilogue_send(a, t, buf, hv, 0, scale, e[0])
         self.epilogue_finish(a, t, buf, hv, 0, scale, e, wn, wp)
-        if cutlass.const_expr(DIAG_X1D and not self.prologue):
-            self.diag_wait(s, t)
-
-    @cute.jit
-    def diag_wait(self, s, t):
-        if t.tid == 0:
-            cute.arch.mbarrier_wait(s.dmb, 0)
 
     @cute.jit
     def shared(self, a, t):
@@ -174,12 +164,8 @@ class QkvKernel(Kernel):
         if cutlass.const_expr(self.prologue):
             ssn = cute.arch.alloc_smem(Float32, CLUSTER * GROUP, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        dx = cute.arch.alloc_smem(BFloat16, GROUP * CLUSTER * 8, alignment=128)  # DIAG X1D
-        dmb = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if t.tid == 0:
             cute.arch.mbarrier_init(mbx, 1)
-            if cutlass.const_expr(DIAG_X1D):
-                cute.arch.mbarrier_init(dmb, 1)
             if not t.is_v:
                 cute.arch.mbarrier_init(mbar, 1)
             cute.arch.mbarrier_init_fence()
@@ -189,12 +175,10 @@ class QkvKernel(Kernel):
             if cutlass.const_expr(self.prologue):  # the 7 peers' slices of r, the 8 slices' sums of squares
                 act_bytes = a.m * ((CLUSTER - 1) * K_PART * 2 + CLUSTER * 4)
             cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes)
-            if cutlass.const_expr(DIAG_X1D and not self.prologue):
-                cute.arch.mbarrier_arrive_and_expect_tx(dmb, a.m * (CLUSTER * 16))
             if not t.is_v:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.rx_bytes)
         cute.arch.cluster_arrive_relaxed()
-        return SimpleNamespace(ssq=ssq, pv=pv, mbar=mbar, xs=xs, ssn=ssn, mbx=mbx, dx=dx, dmb=dmb)
+        return SimpleNamespace(ssq=ssq, pv=pv, mbar=mbar, xs=xs, ssn=ssn, mbx=mbx)
 
     def activations(self, a, t, s):
         """The activations into shared memory: xn by multicast copies, or the input norm's first half."""
@@ -214,11 +198,6 @@ class QkvKernel(Kernel):
         if t.tid == 0 and t.rank < a.m:
             cute.arch.griddepcontrol_wait()
             device.bulk_multicast(s.xs + t.rank * self.xrow, a.x + t.rank * core.K, s.mbx, core.K * 2)
-        if cutlass.const_expr(DIAG_X1D):  # the base's count of multicast copies (8 m a CTA), 16 bytes each
-            if t.tid < a.m:
-                cute.arch.griddepcontrol_wait()
-                device.bulk_multicast(s.dx + (t.tid * CLUSTER + t.rank) * 8, a.x + (t.tid * core.K + t.rank * K_PART),
-                                      s.dmb, 16)  # fmt: skip
 
     @cute.jit
     def norm_slices(self, a, t, s):
