@@ -26,18 +26,6 @@ from flint_aot.kernels.device import bulk_copy, lanes
 from loader.abi import HIDDEN, NVFP4_ROW_BYTES, ROWS_PER_CTA, SCALE_COLS
 
 K = HIDDEN
-import os  # noqa: E402
-DIAG_SX = os.environ.get("FLINT_SX", "")  # DIAG: "2" two copies per token quarter, "H" halves share copies
-
-
-def bulk_multicast_mask(dst, src, mbar, nbytes: int, mask):
-    """DIAG: a multicast bulk copy to the CTAs of `mask` (an Int32)."""
-    cute.arch.inline_ptx(
-        "{ .reg .b16 msk; cvt.u16.u32 msk, {$r3};"
-        " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        f" [{{$r0}}], [{{$r1}}], {nbytes}, [{{$r2}}], msk; }}",
-        read_only_args=[dst, src, mbar, Int32(mask)],
-    )
 ROWS = ROWS_PER_CTA
 THREADS = 128
 WARPS = THREADS // 32
@@ -473,7 +461,6 @@ class StreamGemv:
         self.refills = read_barriers and self.groups > self.stages
         self.xrow = stream_row(fp4)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
-        self.share_halves = False  # DIAG_SX == "H": set by the fused kernel (tiles whose ring holds every group)
 
     def alloc(self):
         """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums
@@ -513,19 +500,7 @@ class StreamGemv:
         n = cutlass.min(m - GROUP * i, GROUP)
         if tid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (QUARTER * 2))
-        if cutlass.const_expr(DIAG_SX == "2"):  # DIAG: each token's quarter in two copies
-            if tid < n:
-                for j in cutlass.range_constexpr(2):
-                    bulk_copy(xs + ((stg * GROUP + tid) * self.xrow + j * (QUARTER // 2)),
-                              x + ((GROUP * i + tid) * K + q * QUARTER + j * (QUARTER // 2)),
-                              mbx + stg, QUARTER)  # fmt: skip
-        elif cutlass.const_expr(DIAG_SX == "H" and self.share_halves):  # DIAG: the halves share the copies
-            h = cute.arch.block_idx_in_cluster() // WARPS
-            if tid < n and tid // 4 == h:
-                bulk_multicast_mask(xs + (stg * GROUP + tid) * self.xrow,
-                                    x + ((GROUP * i + tid) * K + q * QUARTER), mbx + stg, QUARTER * 2,
-                                    (1 << q) | (1 << (q + WARPS)))  # fmt: skip
-        elif tid < n:
+        if tid < n:
             bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER),
                       mbx + stg, QUARTER * 2)  # fmt: skip
 

@@ -79,8 +79,6 @@ class QkvKernel(Kernel):
             # 196 KB carveout and was slower: BENCHMARKS.md §2 step 12)
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, not self.prologue)
-            self.sx_h = core.DIAG_SX == "H" and not self.prologue and not self.core.refills
-            self.core.share_halves = self.sx_h
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
             # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
@@ -300,18 +298,11 @@ class QkvKernel(Kernel):
             cute.arch.mbarrier_wait(s.mbn, 0)  # every quarter's sums of squares
             self.stream_norm_fill(a, t, s, q, 0)
             cute.arch.sync_threads()
-        elif cutlass.const_expr(self.sx_h):
-            self.diag_cluster_wait_rest(t)
         else:
             cute.arch.cluster_wait()  # the peers' mbarriers are initialised (before the first send)
         self.stream_mmas(a, t, s, st, q)
         cute.arch.mbarrier_wait(s.mbm, 0)  # the slots and positions are in shared memory
         self.stream_epilogue(a, t, s, st, scale)
-
-    @cute.jit
-    def diag_cluster_wait_rest(self, t):
-        if t.tid >= 32:
-            cute.arch.cluster_wait()  # (warp 0 waited before its copies)
 
     @cute.jit
     def stream_shared(self, a, t):
@@ -363,9 +354,6 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_copy_first(self, a, t, s, q):
-        if cutlass.const_expr(self.sx_h):
-            if t.tid < 32:
-                cute.arch.cluster_wait()  # DIAG: the partner half's mbarriers are initialised
         if t.tid < self.meta_threads:  # (warp 0)
             cute.arch.griddepcontrol_wait()
             if t.tid < GROUP:
