@@ -294,6 +294,7 @@ def run(bundle: str, specs: list[str]) -> None:
         rows = []
         for i in range(3, layers - 3):
             L, N = t[i], t[i + 1]
+            W = L[:, 2].reshape(-1, 8)  # the wait-returns of each cluster (8 consecutive CTAs)
             row = {
                 "span (first wait-return to last store)": L[:, 6].max() - L[:, 2].min(),
                 "gap (last store to next first wait-return)": N[:, 2].min() - L[:, 6].max(),
@@ -302,11 +303,10 @@ def run(bundle: str, specs: list[str]) -> None:
                     L[:, 1] < L[:, 2].min()
                 ),
                 "wait-return spread (max - min)": L[:, 2].max() - L[:, 2].min(),
-                "cluster wait-return skew (max - min within a cluster)": np.median(
-                    np.ptp(L[:, 2].reshape(-1, 8), axis=1)),
+                "cluster wait-return skew (max - min within a cluster)": np.median(np.ptp(W, axis=1)),
                 "activations in (T3 - T2)": np.median(L[:, 3] - L[:, 2]),
                 "activations in after the cluster's last wait-return": np.median(
-                    L[:, 3] - np.repeat(L[:, 2].reshape(-1, 8).max(axis=1), 8)),
+                    L[:, 3] - np.repeat(W.max(axis=1), 8)),
                 "GEMV (T4 - T3)": np.median(L[:, 4] - L[:, 3]),
                 "q/k exchange (T5 - T4)": np.median(L[:qk, 5] - L[:qk, 4]),
                 "stores (T6 - T5)": np.median(L[:qk, 6] - L[:qk, 5]),
