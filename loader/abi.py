@@ -49,6 +49,43 @@ PARAM_TYPES = {"ptr": (8, 8), "i32": (4, 4), "i64": (8, 8), "f32": (4, 4)}
 F32_MAX = 3.4028234663852886e38
 
 
+# ------------------------------------------------------------------------- xn, the input norm's output
+# The norm kernel writes token t's element k of xn at (t // 8) * group + (t % 8) * row + (k // 512) * quarter
+# + k % 512, three element strides it takes as parameters (xn_group, xn_row, xn_quarter):
+# * ROW_MAJOR, plain [M, 2048] rows: the norm ops' output, and x of the 8-token qkv kernels;
+# * the token stream's two-kernel design (tiles > 8): its ring layout, each group of 8 tokens and K quarter
+#   as 8 rows of stream_row elements (512 and a pad), contiguous, so that one bulk copy brings a group's
+#   quarter into a ring stage (one per token took 0.2-1.8 us more per layer, docs/kernels.md §2.5).
+TOKEN_GROUP = 8  # tokens per group: one mma.sync N
+K_QUARTER = HIDDEN // 4  # k per K quarter (the token stream's unit of K)
+ROW_MAJOR = (TOKEN_GROUP * HIDDEN, HIDDEN, K_QUARTER)
+
+
+def stream_row(weight_format: str) -> int:
+    """Row stride (elements) of a group's K quarter in the token stream's ring, in shared memory and in xn:
+    512 and a pad that puts the 16-byte fragments the lanes of a quad read at once from rows g and g + 1 in
+    different banks (BF16: a stride of 64 mod 128 bytes; NVFP4, whose lanes t and t + 2 read words in swapped
+    order: 16 mod 128; flint_aot/kernels/gemv_core.py)."""
+    return K_QUARTER + (8 if weight_format == "nvfp4" else 32)
+
+
+def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
+    """(group, row, quarter) element strides of the xn the qkv kernel of spec `qkv` reads (None: the norm
+    ops' output, plain rows)."""
+    if qkv is None or qkv.get("norm", "separate") != "separate" or qkv.get("max_m", 8) <= TOKEN_GROUP:
+        return ROW_MAJOR
+    s = stream_row(qkv["weight_format"])
+    return (4 * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
+
+
+def xn_numel(m: int, strides: tuple[int, int, int]) -> int:
+    """Elements of an xn of m tokens in that layout (the ring's: whole groups, every quarter's last row
+    padded, all that a group's bulk copies may read)."""
+    if strides == ROW_MAJOR:
+        return m * HIDDEN
+    return -(-m // TOKEN_GROUP) * strides[0]
+
+
 # ------------------------------------------------------------------------- specs, one constructor per kind
 def norm_spec(residual: bool) -> dict:
     return {"residual": bool(residual)}

@@ -65,6 +65,11 @@ def _norm_launcher(dev: int, has_res: bool):
     return _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
 
 
+def _xn_layout(strides: tuple[int, int, int]) -> dict:
+    """The norm kernel's xn strides (loader.abi.xn_strides) as its parameters."""
+    return dict(zip(("xn_group", "xn_row", "xn_quarter"), strides, strict=True))
+
+
 def _norm_plan(names, renames, args, has_res) -> plans.Plan:
     x, residual, weight = args
     m, dev = checks.activations(x)
@@ -72,7 +77,7 @@ def _norm_plan(names, renames, args, has_res) -> plans.Plan:
         checks.tensor("residual", residual, BF16, ROWS[m], dev)
     checks.tensor("weight", weight, BF16, HIDDEN_SHAPE, dev)
     p = plans.Plan(dev, (), names=names)
-    consts = {} if has_res else {"residual": 0}  # (the kernel without residual reads none)
+    consts = _xn_layout(abi.ROW_MAJOR) | ({} if has_res else {"residual": 0})  # (without: it reads none)
     plans.bind(p, names + _NORM_VALUES, [(_norm_launcher(dev, has_res), {"M": m}, consts, renames)])
     return p
 
@@ -204,11 +209,12 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     if k.entry.spec["norm"] == "prologue":  # one kernel, the input norm in its prologue
         c = dict(consts, has_residual=int(has_res), **({} if has_res else {"residual": 0}))
         launches = [(k, symbols, c, renames)]
-    else:  # the norm kernel writes xn, which the qkv kernel reads as x
-        p.xn = True
+    else:  # the norm kernel writes xn, which the qkv kernel reads as x, in the layout it reads
+        strides = abi.xn_strides(k.entry.spec)  # (the token stream's: its ring layout)
+        p.xn = abi.xn_numel(m, strides)
         c = dict(consts, residual=0, residual_out=0, norm_weight=0, has_residual=0, eps=0.0)
-        norm = (_norm_launcher(dev, has_res), symbols, {} if has_res else {"residual": 0},
-                _also(renames, weight="norm_weight"))  # fmt: skip
+        nc = _xn_layout(strides) | ({} if has_res else {"residual": 0})
+        norm = (_norm_launcher(dev, has_res), symbols, nc, _also(renames, weight="norm_weight"))
         launches = [norm, (k, symbols, c, _also(renames, x="xn"))]
     plans.bind(p, names + _QKV_VALUES, launches)
     if prefer is _EAGER:  # a capture would run the other design (loaded at the first capture)
@@ -257,7 +263,7 @@ def flint_qkv_fused(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps
                   opts.bounds_check)  # fmt: skip
     q = torch.empty_like(p.out)
     res_out = x if residual is None else torch.empty_like(x)
-    xn = torch.empty_like(x) if p.xn else q  # (held until both kernels are launched: freed earlier, another
+    xn = x.new_empty(p.xn) if p.xn else q  # (held until both kernels are launched: freed earlier, another
     values = P + (q.data_ptr(), res_out.data_ptr(), xn.data_ptr(), e, qe)  # thread could take its block)
     stream, pdl = _raw_stream(p.dev), opts.pdl
     for run in p.launches:

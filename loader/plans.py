@@ -62,7 +62,7 @@ class Plan:
     launches: tuple[Callable, ...]  # Launcher.bind's run functions, launched in this order
     out: Tensor | None = None  # an expanded view with the main output's shape, dtype and device
     stage: Stage | None = None
-    xn: bool = False  # the two-kernel design: the norm kernel writes xn for the qkv kernel
+    xn: int = 0  # the two-kernel design: elements of the xn the norm kernel writes for the qkv kernel
     graph: bool = False  # flint_qkv_fused with no design asked for: CUDA-graph capture takes another design
     names: tuple[str, ...] = ()  # the call's distinct tensors, in the op's order: the values' first names
     take: Callable = tuple  # the call's argument tuple -> its distinct tensors

@@ -2,13 +2,14 @@
 every MMA step, each phase of a 16-byte shared load (8 consecutive lanes: g = 0, 1 and t = 0..3 of lanes
 4 g + t) must touch 8 different 16-byte bank groups, for both weight formats and both x layouts (the 8-token
 kernels' whole rows, smem_row; the token stream's quarter rows, stream_row). The offsets are the kernel's own
-functions (gemv_core.bf16_x_k / fp4_x_k); an NVFP4 order without the t & 2 swap fails here."""
+functions (gemv_core.bf16_x_k / fp4_x_k); an NVFP4 order without the t & 2 swap fails here. And the layouts
+of xn, the norm kernel's output (loader.abi.xn_strides): plain rows, or the token stream's ring layout, in
+which each group's K quarter is one contiguous block (one bulk copy)."""
 
 import pytest
 
+from loader import abi
 from tests.conftest import needs_dsl
-
-pytestmark = needs_dsl
 
 
 def _phase_groups(offset, row_elems, step):
@@ -28,10 +29,11 @@ def _phase_groups(offset, row_elems, step):
 
 @pytest.mark.parametrize("fp4", [False, True], ids=["bf16", "nvfp4"])
 @pytest.mark.parametrize("layout", ["tile8", "stream"])
+@needs_dsl
 def test_x_fragment_reads_are_conflict_free(fp4, layout):
     from flint_aot.kernels import gemv_core as core
 
-    row = core.smem_row(fp4) if layout == "tile8" else core.stream_row(fp4)
+    row = core.smem_row(fp4) if layout == "tile8" else abi.stream_row("nvfp4" if fp4 else "bf16")
     offset = core.fp4_x_k if fp4 else core.bf16_x_k
     steps = core.FP4_WORDS if fp4 else core.NB
     for step in range(steps):
@@ -41,15 +43,14 @@ def test_x_fragment_reads_are_conflict_free(fp4, layout):
 
 def test_the_rule_catches_the_unswapped_nvfp4_order():
     """The same rule on the order before the swap (word u at step u for every lane): 2-way conflicts."""
-    from flint_aot.kernels import gemv_core as core
-
     def unswapped(t, i):
         return t * 32 + 128 * (i // 4) + 8 * (i % 4)
 
-    groups = _phase_groups(unswapped, core.stream_row(True), 0)[0]
+    groups = _phase_groups(unswapped, abi.stream_row("nvfp4"), 0)[0]
     assert len(set(groups)) == 4, groups
 
 
+@needs_dsl
 def test_each_lane_reads_every_word_once():
     """The swap is a permutation of a lane's steps: over its 16 steps, lane t reads each of its 16 words once,
     and the words are those of its chunks 4 c + t (32 k each)."""
@@ -59,3 +60,50 @@ def test_each_lane_reads_every_word_once():
         ks = sorted(core.fp4_x_k(t, i) for i in range(core.FP4_WORDS))
         want = sorted(128 * c + 32 * t + 8 * u for c in range(4) for u in range(4))
         assert ks == want, t
+
+
+def _xn_offset(strides, t, k):
+    """Element offset of token t's element k in an xn of these strides: the norm kernel's formula."""
+    group, row, quarter = strides
+    q, w = divmod(k, abi.K_QUARTER)
+    return (t // 8) * group + (t % 8) * row + q * quarter + w
+
+
+@pytest.mark.parametrize("spec", [None, abi.qkv_spec("bf16", True, 32, 4, max_m=8),
+                                  abi.qkv_spec("bf16", True, 32, 4, norm="prologue", max_m=64)],
+                         ids=["ops", "tile8", "prologue"])  # fmt: skip
+def test_xn_is_plain_rows_where_no_stream_reads_it(spec):
+    """The norm ops, the 8-token kernels and the prologue design (which has no norm kernel) get xn as plain
+    [M, 2048] rows."""
+    s = abi.xn_strides(spec)
+    assert s == abi.ROW_MAJOR and abi.xn_numel(13, s) == 13 * 2048
+    assert all(_xn_offset(s, t, k) == t * 2048 + k for t in (0, 7, 8, 63) for k in (0, 511, 512, 2047))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("tile", [16, 32, 64])
+@pytest.mark.parametrize("m", [9, 13, 16, 17, 40, 64])
+def test_the_streams_xn_is_its_ring_layout(fmt, tile, m):
+    """The two-kernel design's token stream reads xn in its ring layout: every (token, k) at its own offset
+    inside xn_numel; for each group of 8 tokens (n of them, the last group possibly fewer) and K quarter q,
+    its n rows are the n x stream_row elements from (4 g + q) x 8 x stream_row on, row j's 512 values first
+    and then the pad: exactly the block StreamGemv.fill brings into a ring stage with one bulk copy, and
+    16-byte aligned (a bulk copy's source)."""
+    if m > tile:
+        pytest.skip("the loader runs the smallest tile that holds M")
+    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=tile))
+    row = abi.stream_row(fmt)
+    assert s == (32 * row, row, 8 * row) and row * 2 % 16 == 0
+    n_el = abi.xn_numel(m, s)
+    seen = set()
+    for t in range(m):
+        for k in range(0, 2048, 8):  # (a norm thread's 8 elements: one 16-byte store)
+            o = _xn_offset(s, t, k)
+            assert o % 8 == 0 and 0 <= o and o + 8 <= n_el and o not in seen
+            seen.add(o)
+            g, j, q = t // 8, t % 8, k // 512
+            block = (4 * g + q) * 8 * row
+            assert block + j * row <= o < block + j * row + 512
+            n = min(m - 8 * g, 8)
+            assert block + n * row <= n_el  # the group's copy stays inside xn
+    assert len(seen) == m * 256

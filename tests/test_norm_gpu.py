@@ -146,3 +146,33 @@ def test_bad_arguments_raise_before_launch(gpu_bundle):
     xn = loader.rms_norm(x, w, 1e-6)  # the context is still healthy
     torch.cuda.synchronize()
     _check_xn(xn, rms_norm_ref(x, None, w, 1e-6)[0])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("m", [1, 9, 13, 16, 40, 64])
+def test_the_ring_layout_is_written_exactly(gpu_bundle, fmt, m):
+    """The norm kernel writing the token stream's ring layout (the two-kernel design above 8 tokens, strides
+    loader.abi.xn_strides), launched by name into a NaN-poisoned buffer with guard bands: every token's
+    values land at their ring offsets with the bits of the op's plain-row xn; the pads, the rows of tokens
+    past M in the last group and the guard bands stay NaN."""
+    import loader
+    from loader import abi
+
+    x, r, w = _inputs(m, 300 + m)
+    want, want_res = loader.fused_add_rms_norm(x, r, w, 1e-6)
+    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=64))
+    n, guard = abi.xn_numel(m, s), 4096
+    buf = torch.full((n + 2 * guard,), float("nan"), device="cuda").bfloat16()
+    res_out = torch.full_like(x, float("nan"))
+    loader.launch_kernel("norm", {"residual": True}, (m,), x=x, residual=r, residual_out=res_out,
+                         xn=buf[guard:], weight=w, eps=1e-6, xn_group=s[0], xn_row=s[1],
+                         xn_quarter=s[2])  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(res_out, want_res)
+    t = torch.arange(m, device="cuda")[:, None]
+    k = torch.arange(2048, device="cuda")[None, :]
+    off = guard + (t // 8) * s[0] + (t % 8) * s[1] + (k // 512) * s[2] + k % 512
+    assert torch.equal(buf[off], want), "a value not at its ring offset"
+    rest = torch.ones_like(buf, dtype=torch.bool)
+    rest[off.flatten()] = False
+    assert buf[rest].isnan().all(), f"{(~buf[rest].isnan()).sum().item()} elements written outside the layout"

@@ -157,13 +157,14 @@ def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
     weight loads in flight pass through it (a 64-token kernel whose three CTAs took the 228 KB carveout got
     its weights 2 us later and cost 2.4 us more per layer, BENCHMARKS.md)."""
     from flint_aot.kernels import gemv_core as core
+    from loader import abi
 
     sizes = []
     for tile in (32, 64):
         c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")
         sizes.append((_static_smem(c.cubin), c.dyn_smem))
     (s32, d32), (s64, d64) = sizes
-    stage = core.GROUP * core.stream_row(fmt == "nvfp4") * 2
+    stage = core.GROUP * abi.stream_row(fmt) * 2
     stages32 = 4 if (kind, norm) == ("qkv", "separate") else (2 if norm == "prologue" else 3)
     assert d32 == stages32 * stage and d64 == (2 if norm == "prologue" else 3) * stage, sizes
     assert 0 <= s64 - s32 <= 4 * 3712 and s32 + d32 <= s64 + d64, sizes

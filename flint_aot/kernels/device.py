@@ -136,12 +136,17 @@ def store_cache(cache, slot, nslots, bs, s0, s1, s2, kvh, dim, val, fp8: cutlass
 
 
 # ----------------------------------------------------------------------------- bulk copies
-def bulk_copy(dst, src, mbar, nbytes: int):
-    """nbytes global -> this CTA's shared memory at dst (one bulk copy), completing on the mbarrier mbar."""
+def bulk_copy(dst, src, mbar, nbytes):
+    """nbytes global -> this CTA's shared memory at dst (one bulk copy), completing on the mbarrier mbar;
+    nbytes a Python int (an immediate) or an Int32 (a multiple of 16)."""
+    if isinstance(nbytes, int):
+        size, args = str(nbytes), [dst, src, mbar]
+    else:
+        size, args = "{$r3}", [dst, src, mbar, nbytes]
     cute.arch.inline_ptx(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-        f" [{{$r0}}], [{{$r1}}], {nbytes}, [{{$r2}}];",
-        read_only_args=[dst, src, mbar],
+        f" [{{$r0}}], [{{$r1}}], {size}, [{{$r2}}];",
+        read_only_args=args,
     )
 
 

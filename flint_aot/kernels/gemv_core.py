@@ -23,7 +23,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
 from flint_aot.kernels.device import bulk_copy, lanes
-from loader.abi import HIDDEN, NVFP4_ROW_BYTES, ROWS_PER_CTA, SCALE_COLS
+from loader.abi import HIDDEN, K_QUARTER, NVFP4_ROW_BYTES, ROWS_PER_CTA, SCALE_COLS, TOKEN_GROUP, stream_row
 
 K = HIDDEN
 ROWS = ROWS_PER_CTA
@@ -428,8 +428,8 @@ class CtaGemv:
 #   8-token kernel after reduce_rows, the sum of row tid % 16, token 8 i + tid // 16. (Waiting for a peer's
 #   group after each group, as a first version did, paid a DSMEM round trip per group: 1.2-1.5 us,
 #   BENCHMARKS.md.)
-QUARTER = K // WARPS  # k per quarter (512)
-GROUP = 8  # tokens per group: one mma.sync N
+QUARTER = K_QUARTER  # k per quarter (512)
+GROUP = TOKEN_GROUP  # tokens per group: one mma.sync N
 STAGES = 3  # x ring depth: a group's bulk copies are issued 2 groups before its MMAs
 PART_BYTES = WARPS * ROWS * GROUP * 4  # partial sums one owner receives per group (4 quarters, fp32)
 # their rows in shared memory: 8 tokens and 2 words of pad, so that the owner's reads (a warp: 16 rows x 2
@@ -439,27 +439,25 @@ PART_ROW = GROUP + 2
 PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 
 
-def stream_row(fp4: bool) -> int:
-    """Row stride (elements) of a group's x quarter in the ring: 1 KB + a pad with the bank property of
-    smem_row (16-byte fragments of rows g and g + 1 in different banks)."""
-    return QUARTER + (8 if fp4 else 32)
-
-
 class StreamGemv:
     """The token stream's GEMV of one CTA (tiles 16, 32, 64): `alloc` / `arm` set up its shared memory and
     mbarriers, `start` issues the weights of this thread (K quarter q) and waits for the predecessor, `fill`
     brings a group's x quarter into the ring, `partials` runs a group's MMAs, `send` hands them to the row
     blocks' owners, `total` is the owner's sum. The caller decides the order (docs/kernels.md §2.5)."""
 
-    def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False):
+    def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False,
+                 ring_x: bool = False):
         self.fp4, self.tile, self.pre = fp4, tile, pre
+        # x in the ring layout (loader.abi.xn_strides: the fused kernel's two-kernel design, whose norm
+        # kernel writes it so): one bulk copy per group and stage; else plain rows, one copy per token
+        self.ring_x = ring_x
         self.groups = tile // GROUP
         self.stages = min(stages, self.groups)
         # the stages are refilled by `refill`, on "read" mbarriers instead of a CTA barrier (the fused
         # kernel's two-kernel design; the standalone GEMV keeps the CTA barrier, 0.07-0.15 us faster for it
         # at M = 48-64, and the prologue design fills its ring itself: BENCHMARKS.md §2 step 13)
         self.refills = read_barriers and self.groups > self.stages
-        self.xrow = stream_row(fp4)
+        self.xrow = stream_row("nvfp4" if fp4 else "bf16")
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
 
     def alloc(self):
@@ -493,16 +491,25 @@ class StreamGemv:
 
     @cute.jit
     def fill(self, xs, mbx, x, q, i, m, tid):
-        """Group i's tokens, quarter q of their rows of x (bf16 [m, K], written by the predecessor: the
-        calling threads, tid < 8, have waited for it), into ring stage i % stages: one 1 KB bulk copy per
-        token, thread 0 arming the stage's mbarrier for them."""
+        """Group i's tokens, quarter q of their rows of x (bf16, written by the predecessor: the calling
+        threads, tid < 8, have waited for it), into ring stage i % stages, thread 0 arming the stage's
+        mbarrier for them. x in the ring layout (ring_x): the group's quarter is one block of n rows of xrow,
+        one bulk copy by thread 0; plain rows [m, K]: one 1 KB bulk copy per token (thread tid < n: token
+        8 i + tid)."""
         stg = i % self.stages
         n = cutlass.min(m - GROUP * i, GROUP)
-        if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (QUARTER * 2))
-        if tid < n:
-            bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER),
-                      mbx + stg, QUARTER * 2)  # fmt: skip
+        if cutlass.const_expr(self.ring_x):
+            if tid == 0:
+                nbytes = n * (self.xrow * 2)
+                cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, nbytes)
+                bulk_copy(xs + stg * GROUP * self.xrow, x + (i * WARPS + q) * (GROUP * self.xrow), mbx + stg,
+                          nbytes)  # fmt: skip
+        else:
+            if tid == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (QUARTER * 2))
+            if tid < n:
+                bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER),
+                          mbx + stg, QUARTER * 2)  # fmt: skip
 
     @cute.jit
     def refill(self, xs, mbx, x, q, i, m, tid):

@@ -4,21 +4,23 @@ One CTA of 256 threads per token row; each thread owns 8 consecutive elements (o
 The kernel releases its PDL dependents at its very start, so the qkv GEMV behind it can start streaming its
 weights at once, and waits (griddepcontrol.wait) before it reads x or the residual, so it may itself be
 launched as a PDL dependent of whatever wrote them. The arithmetic is device.norm_*: the qkv kernel's
-prologue variant rounds exactly the same way.
+prologue variant rounds exactly the same way. xn is written in the layout its three strides give
+(loader.abi.xn_strides): plain rows for the ops, the token stream's ring layout for its two-kernel design.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from flint_aot.kernels import device
 from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.device import NORM_CHUNKS, NORM_VEC, NORM_WARPS
-from loader.abi import HIDDEN
+from loader.abi import HIDDEN, K_QUARTER, TOKEN_GROUP
 
 THREADS = NORM_CHUNKS  # one thread per 8-element chunk
+QUARTER_CHUNKS = K_QUARTER // NORM_VEC  # threads per K quarter of a row
 
 
 class NormKernel(Kernel):
@@ -41,6 +43,9 @@ class NormKernel(Kernel):
         xn: cute.Pointer,
         weight: cute.Pointer,
         eps: Float32,
+        xn_group: Int32,
+        xn_row: Int32,
+        xn_quarter: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
@@ -60,7 +65,10 @@ class NormKernel(Kernel):
         y = device.norm_apply(r, device.norm_scale([red[i] for i in range(NORM_WARPS)], eps), w)
         if cutlass.const_expr(self.spin > 0):
             device.spin_cycles(self.spin)
-        device.store_vec(xn + off, y, NORM_VEC)
+        # (the layout of xn: loader.abi.xn_strides; a thread's 8 elements never straddle a quarter)
+        xo = ((row // TOKEN_GROUP) * xn_group + (row % TOKEN_GROUP) * xn_row
+              + (tid // QUARTER_CHUNKS) * xn_quarter + (tid % QUARTER_CHUNKS) * NORM_VEC)
+        device.store_vec(xn + cute.assume(xo, divby=NORM_VEC), y, NORM_VEC)
         if cutlass.const_expr(self.residual):
             device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)
 

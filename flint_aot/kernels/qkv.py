@@ -78,7 +78,10 @@ class QkvKernel(Kernel):
             # in flight from the start (0.1-0.5 us faster at M = 32; a 4th or 5th stage at tile 64 needs the
             # 196 KB carveout and was slower: BENCHMARKS.md §2 step 12)
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
-            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, not self.prologue)
+            # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
+            sep = not self.prologue
+            self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
+                                        ring_x=sep)  # fmt: skip
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
             # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
@@ -411,7 +414,7 @@ class QkvKernel(Kernel):
                 cute.arch.sync_threads()
                 self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
         else:
-            for i in range(groups):
+            for i in cutlass.range(groups, unroll=1):  # (one copy of the loop: ptxas unrolled tile 16's 3x)
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
                 if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
                     self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
