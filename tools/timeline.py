@@ -167,8 +167,8 @@ PATCHES = [
     ),
     (
         "flint_aot/kernels/norm.py",
-        "        eps: Float32,\n    ):",
-        "        eps: Float32,\n        trace: cute.Pointer,\n    ):",
+        "        xn_quarter: Int32,\n    ):",
+        "        xn_quarter: Int32,\n        trace: cute.Pointer,\n    ):",
     ),
     (
         "flint_aot/kernels/norm.py",
