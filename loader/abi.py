@@ -51,11 +51,15 @@ F32_MAX = 3.4028234663852886e38
 
 # ------------------------------------------------------------------------- xn, the input norm's output
 # The norm kernel writes token t's element k of xn at (t // 8) * group + (t % 8) * row + (k // 512) * quarter
-# + k % 512, three element strides it takes as parameters (xn_group, xn_row, xn_quarter):
-# * ROW_MAJOR, plain [M, 2048] rows: the norm ops' output, and x of the 8-token qkv kernels;
-# * the token stream's two-kernel design (tiles > 8): its ring layout, each group of 8 tokens and K quarter
-#   as 8 rows of stream_row elements (512 and a pad), contiguous, so that one bulk copy brings a group's
-#   quarter into a ring stage (one per token took 0.2-1.8 us more per layer, docs/kernels.md §2.5).
+# + k % 512, three element strides it takes as parameters (xn_group, xn_row, xn_quarter), in the layout of
+# the shared memory its reader copies it into, so that the reader's copies are few (their count costs, not
+# their bytes):
+# * ROW_MAJOR, plain [M, 2048] rows: the norm ops' output;
+# * the 8-token qkv kernels (two-kernel design): rows of tile8_row elements (2048 and a pad), one multicast
+#   copy for all M tokens (one per token: NVFP4 0.07-0.26 us per layer slower at M = 4-8);
+# * the token stream (two-kernel design, tiles > 8): its ring layout, each group of 8 tokens and K quarter
+#   as 8 rows of stream_row elements (512 and a pad), contiguous, one bulk copy per ring stage (one per
+#   token: 0.24-1.8 us per layer slower at M = 12-64). Both pads: the bank layouts of docs/kernels.md §2.
 TOKEN_GROUP = 8  # tokens per group: one mma.sync N
 K_QUARTER = HIDDEN // 4  # k per K quarter (the token stream's unit of K)
 ROW_MAJOR = (TOKEN_GROUP * HIDDEN, HIDDEN, K_QUARTER)
@@ -69,21 +73,31 @@ def stream_row(weight_format: str) -> int:
     return K_QUARTER + (8 if weight_format == "nvfp4" else 32)
 
 
+def tile8_row(weight_format: str) -> int:
+    """Row stride (elements) of x in the 8-token qkv kernel's shared memory, and in the xn it reads: 2048 and
+    a pad with stream_row's bank property (BF16 64, NVFP4 16 mod 128 bytes)."""
+    return HIDDEN + (8 if weight_format == "nvfp4" else 32)
+
+
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
     """(group, row, quarter) element strides of the xn the qkv kernel of spec `qkv` reads (None: the norm
-    ops' output, plain rows)."""
-    if qkv is None or qkv.get("norm", "separate") != "separate" or qkv.get("max_m", 8) <= TOKEN_GROUP:
+    ops' output, plain rows; the prologue design reads none)."""
+    if qkv is None or qkv.get("norm", "separate") != "separate":
         return ROW_MAJOR
+    if qkv.get("max_m", 8) <= TOKEN_GROUP:
+        r = tile8_row(qkv["weight_format"])
+        return (TOKEN_GROUP * r, r, K_QUARTER)
     s = stream_row(qkv["weight_format"])
     return (4 * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
 
 
 def xn_numel(m: int, strides: tuple[int, int, int]) -> int:
-    """Elements of an xn of m tokens in that layout (the ring's: whole groups, every quarter's last row
-    padded, all that a group's bulk copies may read)."""
-    if strides == ROW_MAJOR:
-        return m * HIDDEN
-    return -(-m // TOKEN_GROUP) * strides[0]
+    """Elements of an xn of m tokens in that layout: whole rows one after another, pads included (what one
+    copy of m rows reads); the ring layout's whole groups (what a group's bulk copies may read)."""
+    group, row, _ = strides
+    if group == TOKEN_GROUP * row:
+        return m * row
+    return -(-m // TOKEN_GROUP) * group
 
 
 # ------------------------------------------------------------------------- specs, one constructor per kind

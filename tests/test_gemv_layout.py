@@ -69,15 +69,29 @@ def _xn_offset(strides, t, k):
     return (t // 8) * group + (t % 8) * row + q * quarter + w
 
 
-@pytest.mark.parametrize("spec", [None, abi.qkv_spec("bf16", True, 32, 4, max_m=8),
-                                  abi.qkv_spec("bf16", True, 32, 4, norm="prologue", max_m=64)],
-                         ids=["ops", "tile8", "prologue"])  # fmt: skip
-def test_xn_is_plain_rows_where_no_stream_reads_it(spec):
-    """The norm ops, the 8-token kernels and the prologue design (which has no norm kernel) get xn as plain
-    [M, 2048] rows."""
+@pytest.mark.parametrize("spec", [None, abi.qkv_spec("bf16", True, 32, 4, norm="prologue", max_m=8),
+                                  abi.qkv_spec("nvfp4", True, 32, 4, norm="prologue", max_m=64)],
+                         ids=["ops", "prologue8", "prologue64"])  # fmt: skip
+def test_the_ops_xn_is_plain_rows(spec):
+    """The norm ops get xn as plain [M, 2048] rows (and so does a prologue-design spec, which no norm kernel
+    feeds)."""
     s = abi.xn_strides(spec)
     assert s == abi.ROW_MAJOR and abi.xn_numel(13, s) == 13 * 2048
     assert all(_xn_offset(s, t, k) == t * 2048 + k for t in (0, 7, 8, 63) for k in (0, 511, 512, 2047))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_the_8_token_kernels_xn_is_their_padded_rows(fmt):
+    """The two-kernel design's 8-token kernels read xn as rows of tile8_row elements (2048 and the pad of
+    their shared memory, gemv_core.smem_row), one after another: m rows are one block of m x tile8_row
+    elements from the start, which one multicast copy brings into every CTA of the cluster; rows 16-byte
+    aligned."""
+    r = abi.tile8_row(fmt)
+    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=8))
+    assert s == (8 * r, r, 512) and r * 2 % 16 == 0 and r > 2048
+    for m in range(1, 9):
+        assert abi.xn_numel(m, s) == m * r
+        assert all(_xn_offset(s, t, k) == t * r + k for t in range(m) for k in (0, 511, 512, 2047))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])

@@ -149,18 +149,19 @@ def test_bad_arguments_raise_before_launch(gpu_bundle):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m", [1, 9, 13, 16, 40, 64])
-def test_the_ring_layout_is_written_exactly(gpu_bundle, fmt, m):
-    """The norm kernel writing the token stream's ring layout (the two-kernel design above 8 tokens, strides
-    loader.abi.xn_strides), launched by name into a NaN-poisoned buffer with guard bands: every token's
-    values land at their ring offsets with the bits of the op's plain-row xn; the pads, the rows of tokens
-    past M in the last group and the guard bands stay NaN."""
+@pytest.mark.parametrize("m,tile", [(1, 8), (5, 8), (8, 8), (1, 64), (9, 16), (13, 16), (16, 16), (40, 64),
+                                    (64, 64)])  # fmt: skip
+def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
+    """The norm kernel writing the layout a two-kernel qkv kernel reads (loader.abi.xn_strides: the 8-token
+    kernels' padded rows, the token stream's ring), launched by name into a NaN-poisoned buffer with guard
+    bands: every token's values land at their offsets with the bits of the op's plain-row xn; the pads, the
+    rows of tokens past M in the ring's last group and the guard bands stay NaN."""
     import loader
     from loader import abi
 
     x, r, w = _inputs(m, 300 + m)
     want, want_res = loader.fused_add_rms_norm(x, r, w, 1e-6)
-    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=64))
+    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=tile))
     n, guard = abi.xn_numel(m, s), 4096
     buf = torch.full((n + 2 * guard,), float("nan"), device="cuda").bfloat16()
     res_out = torch.full_like(x, float("nan"))

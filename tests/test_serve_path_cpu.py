@@ -192,10 +192,10 @@ def test_kernel_parameters_are_bound_by_name(monkeypatch):
             assert na["weight"] == c["norm_weight"].data_ptr() and na["residual"] == c["residual"].data_ptr()
             assert na["residual_out"] == r.data_ptr() and a["x"] == na["xn"] != c["x"].data_ptr()
             assert a["residual"] == a["residual_out"] == a["norm_weight"] == a["has_residual"] == 0
-            # xn in the layout the qkv kernel reads: plain rows for the 8-token kernels, the token stream's
-            # ring (a group's K quarter contiguous, rows of 544 elements for BF16) above 8 tokens
+            # xn in the layout the qkv kernel reads: the 8-token kernels' padded rows (2080 elements for
+            # BF16), the token stream's ring above 8 tokens (a group's K quarter contiguous, rows of 544)
             strides = (na["xn_group"], na["xn_row"], na["xn_quarter"])
-            assert strides == ((8 * 2048, 2048, 512) if m <= 8 else (32 * 544, 544, 8 * 544)), (m, strides)
+            assert strides == ((8 * 2080, 2080, 512) if m <= 8 else (32 * 544, 544, 8 * 544)), (m, strides)
     dry.launched.clear()
     loader.rms_norm(c["x"], c["norm_weight"], 1e-6)  # the op's xn: plain rows
     ((ne, na, _),) = dry.launched

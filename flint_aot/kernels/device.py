@@ -136,13 +136,17 @@ def store_cache(cache, slot, nslots, bs, s0, s1, s2, kvh, dim, val, fp8: cutlass
 
 
 # ----------------------------------------------------------------------------- bulk copies
+def _bulk_size(dst, src, mbar, nbytes):
+    """A bulk copy's size operand and inline_ptx arguments: an immediate, or a register ($r3)."""
+    if isinstance(nbytes, int):
+        return str(nbytes), [dst, src, mbar]
+    return "{$r3}", [dst, src, mbar, nbytes]
+
+
 def bulk_copy(dst, src, mbar, nbytes):
     """nbytes global -> this CTA's shared memory at dst (one bulk copy), completing on the mbarrier mbar;
     nbytes a Python int (an immediate) or an Int32 (a multiple of 16)."""
-    if isinstance(nbytes, int):
-        size, args = str(nbytes), [dst, src, mbar]
-    else:
-        size, args = "{$r3}", [dst, src, mbar, nbytes]
+    size, args = _bulk_size(dst, src, mbar, nbytes)
     cute.arch.inline_ptx(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
         f" [{{$r0}}], [{{$r1}}], {size}, [{{$r2}}];",
@@ -150,12 +154,13 @@ def bulk_copy(dst, src, mbar, nbytes):
     )
 
 
-def bulk_multicast(dst, src, mbar, nbytes: int):
+def bulk_multicast(dst, src, mbar, nbytes):
     """nbytes global -> the same shared-memory offset in all 8 CTAs of the cluster (one L2 read),
-    completing on each CTA's mbarrier at mbar's offset."""
+    completing on each CTA's mbarrier at mbar's offset; nbytes as bulk_copy's."""
+    size, args = _bulk_size(dst, src, mbar, nbytes)
     cute.arch.inline_ptx(
         "{ .reg .b16 msk; mov.b16 msk, 0xFF;"
         " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-        f" [{{$r0}}], [{{$r1}}], {nbytes}, [{{$r2}}], msk; }}",
-        read_only_args=[dst, src, mbar],
+        f" [{{$r0}}], [{{$r1}}], {size}, [{{$r2}}], msk; }}",
+        read_only_args=args,
     )

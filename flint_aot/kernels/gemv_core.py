@@ -23,7 +23,16 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
 from flint_aot.kernels.device import bulk_copy, lanes
-from loader.abi import HIDDEN, K_QUARTER, NVFP4_ROW_BYTES, ROWS_PER_CTA, SCALE_COLS, TOKEN_GROUP, stream_row
+from loader.abi import (
+    HIDDEN,
+    K_QUARTER,
+    NVFP4_ROW_BYTES,
+    ROWS_PER_CTA,
+    SCALE_COLS,
+    TOKEN_GROUP,
+    stream_row,
+    tile8_row,
+)
 
 K = HIDDEN
 ROWS = ROWS_PER_CTA
@@ -88,8 +97,9 @@ def ld_shared(ptr):
 
 
 def smem_row(fp4: bool) -> int:
-    """Row stride (elements) of x staged in shared memory (SharedX), padded against bank conflicts."""
-    return K + (8 if fp4 else 32)
+    """Row stride (elements) of x of all K staged in shared memory (SharedX: the 8-token qkv kernel), padded
+    against bank conflicts (loader.abi.tile8_row)."""
+    return tile8_row("nvfp4" if fp4 else "bf16")
 
 
 class SharedX:

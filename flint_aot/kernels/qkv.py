@@ -174,7 +174,7 @@ class QkvKernel(Kernel):
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_warp()  # orders the inits before the arrives for racecheck (same thread anyway)
         if t.tid == 0:
-            act_bytes = a.m * (core.K * 2)  # the multicast copies of x
+            act_bytes = a.m * (self.xrow * 2)  # the multicast copy of x (its rows padded as here)
             if cutlass.const_expr(self.prologue):  # the 7 peers' slices of r, the 8 slices' sums of squares
                 act_bytes = a.m * ((CLUSTER - 1) * K_PART * 2 + CLUSTER * 4)
             cute.arch.mbarrier_arrive_and_expect_tx(mbx, act_bytes)
@@ -192,15 +192,16 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def copy_activations(self, a, t, s):
-        """Wait on the cluster barrier (every peer's mbarriers are initialised); then thread 0 of rank r < m
+        """Wait on the cluster barrier (every peer's mbarriers are initialised); then thread 0 of rank 0
         waits for the predecessor itself (griddepcontrol.wait: the copy needs no weights, which may still be
-        in flight) and copies token r's activations, the whole row, into all 8 CTAs: one copy per token (a
-        CTA's 1/8 of every token, 8 copies a token, was 0.1-0.14 us per layer slower for NVFP4 at M = 6-8:
-        BENCHMARKS.md §2 step 15)."""
+        in flight) and copies the activations of all m tokens into all 8 CTAs with one multicast copy: the
+        norm kernel wrote xn with this shared memory's padded rows (loader.abi.xn_strides). One copy per
+        token, issued by rank r for token r, was 0.07-0.26 us per layer slower for NVFP4 at M = 4-8, and a
+        CTA's 1/8 of every token, 8 copies a token, slower still (BENCHMARKS.md §2 steps 15-16)."""
         cute.arch.cluster_wait()
-        if t.tid == 0 and t.rank < a.m:
+        if t.tid == 0 and t.rank == 0:
             cute.arch.griddepcontrol_wait()
-            device.bulk_multicast(s.xs + t.rank * self.xrow, a.x + t.rank * core.K, s.mbx, core.K * 2)
+            device.bulk_multicast(s.xs, a.x, s.mbx, a.m * (self.xrow * 2))
 
     @cute.jit
     def norm_slices(self, a, t, s):
