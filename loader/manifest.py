@@ -16,7 +16,10 @@ from pathlib import PurePosixPath
 from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_CC re-exported)
 
 MANIFEST_NAME = "manifest.json"
-SCHEMA_VERSION = 2  # 2: Param.align (the alignment a kernel assumes of a pointer), dyn_smem_per_m
+# 2: Param.align (the alignment a kernel assumes of a pointer), dyn_smem_per_m; 3: the norm kernel writes xn
+# in the layout its qkv kernel reads (loader.abi.xn_strides), so a loader and a bundle of different layouts
+# must never meet: a bundle of 2 would run with wrong results, and is refused with the fix instead
+SCHEMA_VERSION = 3
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")
 

@@ -418,3 +418,17 @@ def test_manifest_cluster_policy_round_trip_and_refusals():
     for bad, cluster in (("fast", [8, 1, 1]), ("spread", [1, 1, 1]), (3, [8, 1, 1])):
         with pytest.raises(ManifestError, match="rebuild the bundle"):
             _entry_from_dict(dict(d, cluster_policy=bad, cluster=cluster), "m")
+
+
+def test_a_bundle_of_the_previous_xn_layout_is_refused_with_the_fix():
+    """A bundle of schema 2 (built before the norm kernel wrote xn in the layout its qkv kernel reads) would
+    run with this loader's layouts and give wrong results; its manifest is refused at load, and the message
+    says how to fix it (no GPU, no DSL: the manifest alone)."""
+    from loader.manifest import SCHEMA_VERSION, Manifest, ManifestError
+
+    assert SCHEMA_VERSION == 3
+    d = {"schema_version": 2, "generator": "flint-aot 0.1.0", "dsl_version": "4.8.1", "config": {},
+         "kernels": []}  # fmt: skip
+    with pytest.raises(ManifestError, match=r"schema version 2, this loader reads version 3; rebuild"):
+        Manifest.from_dict(d)
+    assert Manifest.from_dict(dict(d, schema_version=3)).schema_version == 3
