@@ -305,7 +305,6 @@ class QkvKernel(Kernel):
         else:
             cute.arch.cluster_wait()  # the peers' mbarriers are initialised (before the first send)
         self.stream_mmas(a, t, s, st, q)
-        self.core.drain(t.tid)
         cute.arch.mbarrier_wait(s.mbm, 0)  # the slots and positions are in shared memory
         self.stream_epilogue(a, t, s, st, scale)
 
