@@ -65,18 +65,22 @@ K_QUARTER = HIDDEN // 4  # k per K quarter (the token stream's unit of K)
 ROW_MAJOR = (TOKEN_GROUP * HIDDEN, HIDDEN, K_QUARTER)
 
 
+def x_row_pad(weight_format: str) -> int:
+    """Elements that pad each row of x in the GEMV kernels' shared memory (and in the xn they copy from), so
+    that the 16-byte fragments the lanes of a quad read at once from rows g and g + 1 fall in different banks:
+    BF16 a row stride of 64 mod 128 bytes; NVFP4, whose lanes t and t + 2 read words in swapped order, 16 mod
+    128 (flint_aot/kernels/gemv_core.py)."""
+    return 8 if weight_format == "nvfp4" else 32
+
+
 def stream_row(weight_format: str) -> int:
-    """Row stride (elements) of a group's K quarter in the token stream's ring, in shared memory and in xn:
-    512 and a pad that puts the 16-byte fragments the lanes of a quad read at once from rows g and g + 1 in
-    different banks (BF16: a stride of 64 mod 128 bytes; NVFP4, whose lanes t and t + 2 read words in swapped
-    order: 16 mod 128; flint_aot/kernels/gemv_core.py)."""
-    return K_QUARTER + (8 if weight_format == "nvfp4" else 32)
+    """Row stride (elements) of a group's K quarter in the token stream's ring, in shared memory and in xn."""
+    return K_QUARTER + x_row_pad(weight_format)
 
 
 def tile8_row(weight_format: str) -> int:
-    """Row stride (elements) of x in the 8-token qkv kernel's shared memory, and in the xn it reads: 2048 and
-    a pad with stream_row's bank property (BF16 64, NVFP4 16 mod 128 bytes)."""
-    return HIDDEN + (8 if weight_format == "nvfp4" else 32)
+    """Row stride (elements) of x in the 8-token qkv kernel's shared memory, and in the xn it reads."""
+    return HIDDEN + x_row_pad(weight_format)
 
 
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:

@@ -173,7 +173,7 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     t = torch.arange(m, device="cuda")[:, None]
     k = torch.arange(2048, device="cuda")[None, :]
     off = guard + (t // 8) * s[0] + (t % 8) * s[1] + (k // 512) * s[2] + k % 512
-    assert torch.equal(buf[off], want), "a value not at its ring offset"
+    assert torch.equal(buf[off], want), "a value not at its layout's offset"
     rest = torch.ones_like(buf, dtype=torch.bool)
     rest[off.flatten()] = False
     assert buf[rest].isnan().all(), f"{(~buf[rest].isnan()).sum().item()} elements written outside the layout"

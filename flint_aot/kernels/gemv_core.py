@@ -432,8 +432,7 @@ class CtaGemv:
 # * x arrives per group of 8 tokens, and only the CTA's quarter of it (8 x 1 KB: one bulk copy where the
 #   norm kernel wrote it in the ring's layout, the fused kernel; one per token from plain rows, the
 #   standalone GEMV) into a ring of STAGES stages in dynamic shared memory, each refilled as soon as every
-#   warp has read it;
-#   each weight fragment, held in registers for the whole call, meets every group;
+#   warp has read it; each weight fragment, held in registers for the whole call, meets every group;
 # * after each group's MMAs every warp sends its 16 x 8 partial sums to the rank that owns its row block
 #   (4 h + w), by st.async, and goes on to the next group without waiting for anyone: the owner adds the
 #   four quarters (sum_quarters, in order 0..3) of every group once its own MMAs are done, holding, like the

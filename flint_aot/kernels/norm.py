@@ -5,7 +5,8 @@ The kernel releases its PDL dependents at its very start, so the qkv GEMV behind
 weights at once, and waits (griddepcontrol.wait) before it reads x or the residual, so it may itself be
 launched as a PDL dependent of whatever wrote them. The arithmetic is device.norm_*: the qkv kernel's
 prologue variant rounds exactly the same way. xn is written in the layout its three strides give
-(loader.abi.xn_strides): plain rows for the ops, the token stream's ring layout for its two-kernel design.
+(loader.abi.xn_strides): plain rows for the ops; for the two-kernel design, the layout of the shared memory
+the qkv kernel copies it into (the 8-token kernels' padded rows, the token stream's ring).
 """
 
 from __future__ import annotations
