@@ -154,19 +154,6 @@ def bulk_copy(dst, src, mbar, nbytes):
     )
 
 
-def bulk_to_peer(dst, src, mbar, rank, nbytes: int):
-    """nbytes of this CTA's shared memory at src -> cluster rank `rank`'s shared memory at dst's offset (one
-    bulk copy), completing on that rank's mbarrier at mbar's offset; then a commit of this thread's bulk
-    group (cp_async_bulk_wait_group(n, read=True) waits for its source reads)."""
-    cute.arch.inline_ptx(
-        "{ .reg .b32 rd, rm; mapa.shared::cluster.u32 rd, {$r0}, {$r3};"
-        " mapa.shared::cluster.u32 rm, {$r2}, {$r3};"
-        " cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
-        f" [rd], [{{$r1}}], {nbytes}, [rm]; cp.async.bulk.commit_group; }}",
-        read_only_args=[Int32(dst.toint()), Int32(src.toint()), Int32(mbar.toint()), rank],
-    )
-
-
 def bulk_multicast(dst, src, mbar, nbytes):
     """nbytes global -> the same shared-memory offset in all 8 CTAs of the cluster (one L2 read),
     completing on each CTA's mbarrier at mbar's offset; nbytes as bulk_copy's."""

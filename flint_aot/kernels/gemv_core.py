@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
-from flint_aot.kernels.device import bulk_copy, bulk_to_peer, lanes
+from flint_aot.kernels.device import bulk_copy, lanes
 from loader.abi import (
     HIDDEN,
     K_QUARTER,
@@ -456,15 +456,8 @@ class StreamGemv:
     brings a group's x quarter into the ring, `partials` runs a group's MMAs, `send` hands them to the row
     blocks' owners, `total` is the owner's sum. The caller decides the order (docs/kernels.md §2.5)."""
 
-    def __init__(
-        self,
-        fp4: bool,
-        tile: int,
-        pre: int,
-        stages: int = STAGES,
-        read_barriers: bool = False,
-        ring_x: bool = False,
-    ):
+    def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False,
+                 ring_x: bool = False):
         self.fp4, self.tile, self.pre = fp4, tile, pre
         # x in the ring layout (loader.abi.xn_strides: the fused kernel's two-kernel design, whose norm
         # kernel writes it so): one bulk copy per group and stage; else plain rows, one copy per token
@@ -476,11 +469,6 @@ class StreamGemv:
         # at M = 48-64, and the prologue design fills its ring itself: BENCHMARKS.md §2 step 13)
         self.refills = read_barriers and self.groups > self.stages
         self.xrow = stream_row("nvfp4" if fp4 else "bf16")
-        # RESEARCH (PB): each warp's partial sums of a group go to their owner as ONE bulk copy (staged in
-        # two slots of its own shared memory in the owner's row layout), not 64 st.async a warp
-        self.pb = read_barriers and bool(__import__("os").environ.get("FLINT_PB"))
-        # RESEARCH (SF): each group's partial sums sent before the ring's refill (PB always does)
-        self.send_first = self.pb or (read_barriers and bool(__import__("os").environ.get("FLINT_SF")))
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
 
     def alloc(self):
@@ -491,8 +479,6 @@ class StreamGemv:
         red = cute.arch.alloc_smem(Float32, self.groups * PART_WORDS, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, (2 if self.refills else 1) * self.stages, alignment=8)
         mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
-        if cutlass.const_expr(self.pb):
-            self.stg = cute.arch.alloc_smem(Float32, WARPS * 2 * ROWS * PART_ROW, alignment=128)
         return xs, red, mbx, mbr
 
     def arm(self, xs, red, mbx, mbr):
@@ -506,8 +492,7 @@ class StreamGemv:
             cute.arch.mbarrier_init(mbr + i, 1)
         cute.arch.mbarrier_init_fence()
         for i in range(self.groups):
-            nbytes = WARPS * ROWS * PART_ROW * 4 if self.pb else PART_BYTES
-            cute.arch.mbarrier_arrive_and_expect_tx(mbr + i, nbytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbr + i, PART_BYTES)
 
     def start(self, w, wsc, gsc, row0, q, tid, m, issued=None):
         st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, q)
@@ -575,38 +560,6 @@ class StreamGemv:
 
     def send(self, red, mbr, d, i, rank, tid):
         """Group i's partial sums of this warp's row block to its owner, rank 4 h + w, slot [i][q]."""
-        if cutlass.const_expr(self.pb):
-            self.send_bulk(red, mbr, d, i, rank, tid)
-        else:
-            self.send_st(red, mbr, d, i, rank, tid)
-
-    @cute.jit
-    def send_bulk(self, red, mbr, d, i, rank, tid):
-        """RESEARCH (PB): lane 0 waits until the copy of this slot two groups ago has read it, the warp writes
-        its 16 x 8 sums into the slot (the owner's rows of PART_ROW words), fences them for the async proxy,
-        and lane 0 copies the slot's 640 bytes to the owner's [i][q] with one bulk copy."""
-        warp, lane, g, t = lanes(tid)
-        q = rank % WARPS
-        owner = rank - q + warp
-        cute.arch.cp_async_bulk_wait_group(1, read=True)  # (every lane; one that never copied: at once)
-        slot = self.stg + (warp * 2 + i % 2) * (ROWS * PART_ROW)
-        buf = cute.make_tensor(slot, cute.make_layout(ROWS * PART_ROW))
-        base = g * PART_ROW + 2 * t
-        buf[base] = d[0]
-        buf[base + 1] = d[1]
-        buf[base + 8 * PART_ROW] = d[2]
-        buf[base + 8 * PART_ROW + 1] = d[3]
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
-        with cute.arch.elect_one():
-            bulk_to_peer(red + ((i * WARPS + q) * ROWS) * PART_ROW, slot, mbr + i, owner, ROWS * PART_ROW * 4)
-
-    def drain(self, tid):
-        """RESEARCH (PB): every bulk copy's source read done (before the CTA may exit)."""
-        if cutlass.const_expr(self.pb):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    def send_st(self, red, mbr, d, i, rank, tid):
         warp, _, g, t = lanes(tid)
         q = rank % WARPS
         base = cute.assume(((i * WARPS + q) * ROWS + g) * PART_ROW + 2 * t, divby=2)

@@ -305,7 +305,6 @@ class QkvKernel(Kernel):
         else:
             cute.arch.cluster_wait()  # the peers' mbarriers are initialised (before the first send)
         self.stream_mmas(a, t, s, st, q)
-        self.core.drain(t.tid)
         cute.arch.mbarrier_wait(s.mbm, 0)  # the slots and positions are in shared memory
         self.stream_epilogue(a, t, s, st, scale)
 
@@ -418,12 +417,9 @@ class QkvKernel(Kernel):
         else:
             for i in cutlass.range(groups, unroll=1):  # (one copy of the loop: ptxas unrolled tile 16's 3x)
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
-                if cutlass.const_expr(self.core.send_first):  # RESEARCH (PB, SF): the send before the refill
-                    self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
                 if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
                     self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
-                if cutlass.const_expr(not self.core.send_first):
-                    self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
+                self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
     def stream_epilogue(self, a, t, s, st, scale):
