@@ -35,8 +35,6 @@ from loader.abi import (
 )
 
 K = HIDDEN
-import os as _os
-XM, XE, XN, XS = (bool(_os.environ.get('FLINT_' + f)) for f in ('XM', 'XE', 'XN', 'XS'))  # DIAG
 ROWS = ROWS_PER_CTA
 THREADS = 128
 WARPS = THREADS // 32
@@ -494,10 +492,7 @@ class StreamGemv:
             cute.arch.mbarrier_init(mbr + i, 1)
         cute.arch.mbarrier_init_fence()
         for i in range(self.groups):
-            if cutlass.const_expr(XS):
-                cute.arch.mbarrier_arrive(mbr + i)
-            else:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbr + i, PART_BYTES)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbr + i, PART_BYTES)
 
     def start(self, w, wsc, gsc, row0, q, tid, m, issued=None):
         st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, q)
@@ -543,11 +538,7 @@ class StreamGemv:
             cute.arch.mbarrier_arrive(rd)
             if tid < GROUP:
                 cute.arch.mbarrier_wait(rd, (i // self.stages) % 2)
-                if cutlass.const_expr(XN):
-                    if tid == 0:
-                        cute.arch.mbarrier_arrive(mbx + (i + self.stages) % self.stages)
-                else:
-                    self.fill(xs, mbx, x, q, i + self.stages, m, tid)
+                self.fill(xs, mbx, x, q, i + self.stages, m, tid)
             cute.arch.sync_warp()
         else:
             cute.arch.sync_threads()
@@ -569,8 +560,6 @@ class StreamGemv:
 
     def send(self, red, mbr, d, i, rank, tid):
         """Group i's partial sums of this warp's row block to its owner, rank 4 h + w, slot [i][q]."""
-        if cutlass.const_expr(XS):
-            return
         warp, _, g, t = lanes(tid)
         q = rank % WARPS
         base = cute.assume(((i * WARPS + q) * ROWS + g) * PART_ROW + 2 * t, divby=2)

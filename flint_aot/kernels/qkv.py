@@ -415,15 +415,8 @@ class QkvKernel(Kernel):
                 cute.arch.sync_threads()
                 self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
         else:
-            d0 = None
-            if cutlass.const_expr(core.XM):
-                d0 = self.core.partials(st, self.core.stage(s.xs, s.mbx, 0), 0, a.m, t.tid)
             for i in cutlass.range(groups, unroll=1):  # (one copy of the loop: ptxas unrolled tile 16's 3x)
-                if cutlass.const_expr(core.XM):
-                    self.core.stage(s.xs, s.mbx, i)
-                    d = d0
-                else:
-                    d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
+                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
                 if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
                     self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
                 self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
@@ -439,16 +432,6 @@ class QkvKernel(Kernel):
         (with a wait or a store between two groups, they follow one another). Groups past m exist in shared
         memory; their arithmetic runs on whatever is there, and nothing of it is stored."""
         groups = (a.m + (GROUP - 1)) // GROUP
-        if cutlass.const_expr(core.XE):  # DIAG: each group's value stored as soon as its quarters are in
-            for i in range(groups):
-                cute.arch.mbarrier_wait(s.mbr + i, 0)
-                tok = GROUP * i + t.tk
-                hv = self.stream_value(t, s, st, i)
-                if t.is_v:
-                    self.store_v(a, t, tok, self.stream_slot(s, tok), hv, scale)
-                else:
-                    self.store_qk(a, t, tok, self.stream_slot(s, tok), hv.to(BFloat16), scale)
-            return
         early = None  # rope_first: every group's (ok, cos, sin), loaded now
         if cutlass.const_expr(self.rope_first):
             early = [self.stream_rope(a, t, s, GROUP * i + t.tk) for i in range(self.groups)]
