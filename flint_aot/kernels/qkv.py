@@ -92,8 +92,6 @@ class QkvKernel(Kernel):
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
         self.groups = self.tile // GROUP
         self.epi_chunk = min(EPI_CHUNK, self.groups)  # the token stream's epilogue, groups per chunk
-        self.rp = self.streamed and bool(__import__("os").environ.get("FLINT_RP"))  # RESEARCH (RP)
-        self.rs = self.streamed and bool(__import__("os").environ.get("FLINT_RS"))  # RESEARCH (RS)
         # a second pass of one chunk (tiles 16 and 32) loads every group's cos/sin when the epilogue starts,
         # under its first pass (NVFP4 (32, 4) 0.2-0.5 us faster; tile 64's two chunks loading all 16 values
         # a thread at once were slower than each chunk its own: BENCHMARKS.md §2 step 11)
@@ -471,7 +469,7 @@ class QkvKernel(Kernel):
         return cute.make_tensor(s.mslot, cute.make_layout(self.tile))[tok]
 
     def group_buffers(self, s, i):
-        return (s.ssq + cute.assume(i * (CLUSTER * GROUP), divby=CLUSTER * GROUP), s.pv + cute.assume(i * (R * GROUP), divby=R * GROUP), s.mbar + i)
+        return (s.ssq + i * (CLUSTER * GROUP), s.pv + i * (R * GROUP), s.mbar + i)
 
     @cute.jit
     def stream_norm_sums(self, a, t, s, q):
@@ -575,23 +573,9 @@ class QkvKernel(Kernel):
             part = hv * hv
             for o in (1, 2, 4, 8):
                 part = part + cute.arch.shuffle_sync_bfly(part, o)
-            if cutlass.const_expr(self.rs):  # RESEARCH (RS): lanes r < 8 send tokens tk, tk + 1 in one st.async
-                pb = device.f32_bits(part)
-                nb = cute.arch.shuffle_sync_down(pb, 16)
-                if t.tid % 32 < CLUSTER:
-                    cute.arch.store_async_dsmem(ssq + cute.assume((t.rank * GROUP + t.tk) // 2 * 2, divby=2), (pb, nb),
-                                                mbar, t.r)  # fmt: skip
-            elif t.r < CLUSTER:  # lane r sends the partial to rank r
+            if t.r < CLUSTER:  # lane r sends the partial to rank r
                 cute.arch.store_async_dsmem(ssq + (t.rank * GROUP + t.tk), device.f32_bits(part), mbar, t.r)
-            if cutlass.const_expr(self.rope and self.rp):  # RESEARCH (RP): 4 lanes' values, one st.async
-                v = device.f32_bits(hv)
-                w1 = cute.arch.shuffle_sync_down(v, 1)
-                w2 = cute.arch.shuffle_sync_down(v, 2)
-                w3 = cute.arch.shuffle_sync_down(v, 3)
-                if t.tid % 4 == 0:  # partner's [token][row] words tid .. tid + 3 (tid = 16 tk + r)
-                    cute.arch.store_async_dsmem(pv + cute.assume((t.tid // 4) * 4, divby=4), (v, w1, w2, w3), mbar,
-                                                t.rank ^ (CLUSTER // 2))  # fmt: skip
-            elif cutlass.const_expr(self.rope):
+            if cutlass.const_expr(self.rope):
                 cute.arch.store_async_dsmem(pv + (t.r * GROUP + t.tk), device.f32_bits(hv), mbar,
                                             t.rank ^ (CLUSTER // 2))  # fmt: skip
 
@@ -622,8 +606,7 @@ class QkvKernel(Kernel):
         inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
         y = hv * inv * wn
         if cutlass.const_expr(self.rope):
-            pidx = t.tid if self.rp else t.r * GROUP + t.tk  # RESEARCH (RP): [token][row]
-            yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[pidx] * inv * wp
+            yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[t.r * GROUP + t.tk] * inv * wp
             y = device.rotate(y, yp, ok, c, sn, t.dim)
         return y.to(BFloat16)
 
