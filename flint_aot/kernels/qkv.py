@@ -319,7 +319,7 @@ class QkvKernel(Kernel):
         xs, red, mbx, mbr = self.core.alloc()
         groups = self.groups
         ssq = cute.arch.alloc_smem(Float32, groups * CLUSTER * GROUP, alignment=16)
-        pv = cute.arch.alloc_smem(Float32, groups * R * GROUP, alignment=16)
+        pv = cute.arch.alloc_smem(Float32, groups * R * GROUP, alignment=16)  # partner values [token][row]
         mbar = cute.arch.alloc_smem(Int64, groups, alignment=8)
         mslot = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
         mpos = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
@@ -469,7 +469,8 @@ class QkvKernel(Kernel):
         return cute.make_tensor(s.mslot, cute.make_layout(self.tile))[tok]
 
     def group_buffers(self, s, i):
-        return (s.ssq + i * (CLUSTER * GROUP), s.pv + i * (R * GROUP), s.mbar + i)
+        pv = s.pv + cute.assume(i * (R * GROUP), divby=R * GROUP)  # (16-byte aligned: send_partner)
+        return (s.ssq + i * (CLUSTER * GROUP), pv, s.mbar + i)
 
     @cute.jit
     def stream_norm_sums(self, a, t, s, q):
@@ -564,8 +565,8 @@ class QkvKernel(Kernel):
     def epilogue_send(self, a, t, buf, hv, i, scale, slot):
         """v head: this thread's value (row r, token 8 i + tk) to the paged cache at slot. q/k head: the
         token's partial sum of squares over this CTA's 16 dims (a 16-lane butterfly) to every CTA of the head
-        (lane r to rank r) and, with RoPE, the value to the rotation partner (rank ^ 4), by st.async on their
-        mbarrier of the group (buf: ssq, pv, mbar)."""
+        (lane r to rank r) and, with RoPE, the value to the rotation partner (rank ^ 4, send_partner), by
+        st.async on their mbarrier of the group (buf: ssq, pv, mbar)."""
         if t.is_v:
             self.store_v(a, t, GROUP * i + t.tk, slot, hv, scale)
         else:
@@ -576,8 +577,28 @@ class QkvKernel(Kernel):
             if t.r < CLUSTER:  # lane r sends the partial to rank r
                 cute.arch.store_async_dsmem(ssq + (t.rank * GROUP + t.tk), device.f32_bits(part), mbar, t.r)
             if cutlass.const_expr(self.rope):
-                cute.arch.store_async_dsmem(pv + (t.r * GROUP + t.tk), device.f32_bits(hv), mbar,
-                                            t.rank ^ (CLUSTER // 2))  # fmt: skip
+                self.send_partner(t, pv, mbar, hv)
+
+    @cute.jit
+    def send_partner(self, t, pv, mbar, hv):
+        """This thread's value into the rotation partner's (rank ^ 4) pv, word partner_word(t). In the token
+        stream pv is laid out [token][row] (word tid = 16 tk + r), so 4 lanes' words are adjacent and lane 4 j
+        sends them in one 16-byte st.async (3 shuffles): 32 st.async a group into each partner instead of 128,
+        0-0.27 us a layer faster at M = 12-64 (BENCHMARKS.md §2 step 17). The 8-token kernel: [row][token],
+        one word a thread."""
+        partner = t.rank ^ (CLUSTER // 2)
+        v = device.f32_bits(hv)
+        if cutlass.const_expr(self.streamed):
+            w = [v] + [cute.arch.shuffle_sync_down(v, o) for o in (1, 2, 3)]
+            if t.tid % 4 == 0:
+                word = cute.assume(t.tid // 4 * 4, divby=4)
+                cute.arch.store_async_dsmem(pv + word, tuple(w), mbar, partner)
+        else:
+            cute.arch.store_async_dsmem(pv + (t.r * GROUP + t.tk), v, mbar, partner)
+
+    def partner_word(self, t):
+        """The word of pv that holds this thread's partner value (send_partner's layout)."""
+        return t.tid if self.streamed else t.r * GROUP + t.tk
 
     @cute.jit
     def store_v(self, a, t, tok, slot, hv, scale):
@@ -606,7 +627,7 @@ class QkvKernel(Kernel):
         inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
         y = hv * inv * wn
         if cutlass.const_expr(self.rope):
-            yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[t.r * GROUP + t.tk] * inv * wp
+            yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[self.partner_word(t)] * inv * wp
             y = device.rotate(y, yp, ok, c, sn, t.dim)
         return y.to(BFloat16)
 
