@@ -92,8 +92,6 @@ class QkvKernel(Kernel):
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
         self.groups = self.tile // GROUP
         self.epi_chunk = min(EPI_CHUNK, self.groups)  # the token stream's epilogue, groups per chunk
-        ch = __import__("os").environ.get("FLINT_CH")  # RESEARCH (CH): second-pass chunk size, early cos/sin kept
-        self.ch = min(int(ch), self.groups) if ch and self.streamed else 0
         # a second pass of one chunk (tiles 16 and 32) loads every group's cos/sin when the epilogue starts,
         # under its first pass (NVFP4 (32, 4) 0.2-0.5 us faster; tile 64's two chunks loading all 16 values
         # a thread at once were slower than each chunk its own: BENCHMARKS.md §2 step 11)
@@ -442,15 +440,6 @@ class QkvKernel(Kernel):
             tok = GROUP * i + t.tk
             self.epilogue_send(a, t, self.group_buffers(s, i), self.stream_value(t, s, st, i), i, scale,
                                self.stream_slot(s, tok))  # fmt: skip
-        if cutlass.const_expr(self.ch > 0 and self.rope_first):
-            if not t.is_v:
-                wn, wp = self.norm_weights(a, t)
-                ch = self.ch
-                for c in cutlass.range_constexpr(self.groups // ch):
-                    if c * ch < groups:
-                        self.stream_chunk(a, t, s, st, scale, groups, [c * ch + j for j in range(ch)],
-                                          early[c * ch : c * ch + ch], wn, wp)  # fmt: skip
-            return
         if not t.is_v:
             wn, wp = self.norm_weights(a, t)
             ch = self.epi_chunk
@@ -470,20 +459,6 @@ class QkvKernel(Kernel):
                 for i, yb in zip(idx, ys, strict=True):
                     tok = GROUP * i + t.tk
                     self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)
-
-    @cute.jit
-    def stream_chunk(self, a, t, s, st, scale, groups, idx, ropes, wn, wp):
-        """RESEARCH (CH): one chunk of the second pass."""
-        for i in idx:
-            if i < groups:
-                cute.arch.mbarrier_wait(s.mbar + i, 0)
-        ys = []
-        for i, rope in zip(idx, ropes, strict=True):
-            buf = self.group_buffers(s, i)
-            ys.append(self.finish_value(a, t, buf, self.stream_value(t, s, st, i), rope, wn, wp))
-        for i, yb in zip(idx, ys, strict=True):
-            tok = GROUP * i + t.tk
-            self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)
 
     def stream_value(self, t, s, st, i):
         """Group i's qkv value of this thread (row r, token 8 i + tk), rounded once to bf16 (as fp32); the
