@@ -83,6 +83,13 @@ def tile8_row(weight_format: str) -> int:
     return HIDDEN + x_row_pad(weight_format)
 
 
+def ring_strides(weight_format: str) -> tuple[int, int, int]:
+    """(group, row, quarter) element strides of the token stream's ring layout: a group's 4 K quarters one
+    after another, each 8 rows of stream_row elements."""
+    s = stream_row(weight_format)
+    return (HIDDEN // K_QUARTER * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
+
+
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
     """(group, row, quarter) element strides of the xn the qkv kernel of spec `qkv` reads (None: the norm
     ops' output, plain rows; the prologue design reads none)."""
@@ -91,8 +98,7 @@ def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
     if qkv.get("max_m", 8) <= TOKEN_GROUP:
         r = tile8_row(qkv["weight_format"])
         return (TOKEN_GROUP * r, r, K_QUARTER)
-    s = stream_row(qkv["weight_format"])
-    return (4 * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
+    return ring_strides(qkv["weight_format"])
 
 
 def xn_numel(m: int, strides: tuple[int, int, int]) -> int:

@@ -30,6 +30,7 @@ from loader.abi import (
     ROWS_PER_CTA,
     SCALE_COLS,
     TOKEN_GROUP,
+    ring_strides,
     stream_row,
     tile8_row,
 )
@@ -469,6 +470,8 @@ class StreamGemv:
         # at M = 48-64, and the prologue design fills its ring itself: BENCHMARKS.md §2 step 13)
         self.refills = read_barriers and self.groups > self.stages
         self.xrow = stream_row("nvfp4" if fp4 else "bf16")
+        group, _, self.ring_quarter = ring_strides("nvfp4" if fp4 else "bf16")  # ring_x: xn's strides
+        self.ring_quarters = group // self.ring_quarter  # (a group's quarter blocks, one after another)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
 
     def alloc(self):
@@ -513,8 +516,8 @@ class StreamGemv:
             if tid == 0:
                 nbytes = n * (self.xrow * 2)
                 cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, nbytes)
-                bulk_copy(xs + stg * GROUP * self.xrow, x + (i * WARPS + q) * (GROUP * self.xrow), mbx + stg,
-                          nbytes)  # fmt: skip
+                src = x + (i * self.ring_quarters + q) * self.ring_quarter
+                bulk_copy(xs + stg * GROUP * self.xrow, src, mbx + stg, nbytes)
         else:
             if tid == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (QUARTER * 2))
