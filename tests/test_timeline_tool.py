@@ -56,10 +56,9 @@ def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt, tile):
     assert "'trace'" in r.stdout  # the norm kernel's extra parameter
     q = _sass((dst / "q.cubin").read_bytes(), tmp_path)
     n = _sass((dst / "n.cubin").read_bytes(), tmp_path)
-    # T0..T6 and the groups' ends; the token stream reads T5 after each of a chunk's 4 exchange waits, each
-    # group's x-in moment, and its epilogue's three steps (first pass done, first chunk's exchanges in and
-    # stores issued)
-    timers = 7 if tile == 8 else 14
+    # T0..T6; the token stream (no T4: its groups' ends instead) reads, in its group loop, each group's x-in
+    # moment and MMAs' end, and in its epilogue loop T5 and T6 (the last group's sums in, its stores issued)
+    timers = 7 if tile == 8 else 8
     assert sum("SR_GLOBALTIMERLO" in ln for ln in q) == timers
     assert sum("SR_GLOBALTIMERLO" in ln for ln in n) == 4
     assert not any("STL" in ln or "LDL" in ln for ln in q + n)

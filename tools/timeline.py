@@ -9,10 +9,10 @@ docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving 
 
    Thread 0 of every qkv CTA then writes %globaltimer (ns) at T0 start, T1 its weights arrived, T2 its
    griddepcontrol.wait returned, T3 the activations are in shared memory (the token stream: its first
-   group's x), T4 the GEMV is done, T5 the (last) q/k epilogue exchange is done, T6 its last store is issued
-   (and %smid), and in the token stream the end of each group's MMAs (two-kernel design: and the moment
-   its x stage was in) and its epilogue's steps (the first pass done, the first chunk's exchanges in, its
-   stores issued); the norm kernel T0 start, T1 wait returned, T2 reduced, T3 stored. The qkv kernel
+   group's x), T4 the GEMV is done, T5 the q/k epilogue exchange is done (the token stream, which exchanges
+   nothing after its sums: its last group's partial sums are in), T6 its last store is issued (and %smid),
+   and in the token stream the end of each group's MMAs (two-kernel design: and the moment its x stage was
+   in); the norm kernel T0 start, T1 wait returned, T2 reduced, T3 stored. The qkv kernel
    writes into `v_scale`, which a BF16-cache build never reads; the norm kernel gets a trailing `trace`
    parameter. Both are filled by this tool (the loader refuses the norm kernel's extra parameter on its own).
 2. On the GPU:
@@ -23,8 +23,8 @@ docs/benchmarks-history.md §1 "What bounds it"). A diagnostic, never a serving 
    layer's first wait-return to its last store, the gap from that to the next layer's first wait-return,
    phase medians per CTA (with the cluster's skew of wait-returns, and x's arrival counted from the cluster's
    last wait-return), and the norm kernel's part of the gap; in the token stream also the cluster's skew
-   at its last group (the 8 CTAs' ends of their last MMAs, max - min) and the q/k exchange counted from the
-   cluster's last MMAs, which separates waiting for a peer from the owner's own epilogue, and a further
+   at its last group (the 8 CTAs' ends of their last MMAs, max - min), the last group's sums in counted from
+   the cluster's last MMAs (the DSMEM hop) and its epilogue (T6 - T5), and a further
    group's time split in two: from its x in to its MMAs done (the fragments and MMAs), and from the previous
    group's MMAs to its x in (the ring's barrier and refill, the sends, the wait for the stage).
 """
@@ -65,9 +65,8 @@ def _tl_store(tid, ptr, val):
 '''
 
 # (file, anchor, replacement): each anchor must occur exactly once
-# trace words per qkv CTA: T0..T6, %smid, then the token stream's groups' MMA ends (8 + i), in the
-# two-kernel design the moments their x was in (16 + i), and its epilogue's steps: the first pass done (24),
-# the first chunk's exchanges in (25) and its stores issued (26)
+# trace words per qkv CTA: T0..T6, %smid, then the token stream's groups' MMA ends (8 + i) and, in the
+# two-kernel design, the moments their x was in (16 + i)
 SLOTS = 32
 _QKV_AT = f"v_scale + (cta * {SLOTS} + {{}})"
 _T_AT = f"a.v_scale + (t.cta * {SLOTS} + {{}})"
@@ -117,12 +116,6 @@ PATCHES = [
         "            cute.arch.mbarrier_wait(buf[2], 0)\n"
         f"            _tl_store(t.tid, {_T_AT.format(5)}, _tl_time(a.m >> 31))\n",
     ),
-    (  # (the token stream: after each chunk's last exchange)
-        "flint_aot/kernels/qkv.py",
-        "                        cute.arch.mbarrier_wait(s.mbar + i, 0)\n",
-        "                        cute.arch.mbarrier_wait(s.mbar + i, 0)\n"
-        f"                        _tl_store(t.tid, {_T_AT.format(5)}, _tl_time(a.m >> 31))\n",
-    ),
     # the token stream: T2, T3 the first group's x in, each group's MMAs done (words 8 + i), T6
     (
         "flint_aot/kernels/qkv.py",
@@ -146,24 +139,19 @@ PATCHES = [
         "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)\n"
         + _GROUP_END,
     ),
-    (
+    (  # the token stream's epilogue: T5 the CTA's last group's partial sums in, T6 its stores issued (lane 0
+        # of the warp that takes the last group)
         "flint_aot/kernels/qkv.py",
-        "                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)\n\n",
-        "                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)\n"
-        f"                if c == 0:\n                    _tl_store(t.tid, {_T_AT.format(26)}, _tl_time(a.m >> 31))\n"
-        f"        _tl_store(t.tid, {_T_AT.format(6)}, _tl_time(a.m >> 31))\n\n",
-    ),
-    (  # the token stream's epilogue: its first pass done, the first chunk's exchanges in
-        "flint_aot/kernels/qkv.py",
-        "        if not t.is_v:\n            wn, wp = self.norm_weights(a, t)\n            ch = self.epi_chunk\n",
-        f"        _tl_store(t.tid, {_T_AT.format(24)}, _tl_time(a.m >> 31))\n"
-        "        if not t.is_v:\n            wn, wp = self.norm_weights(a, t)\n            ch = self.epi_chunk\n",
+        "            cute.arch.mbarrier_wait(s.mbr + i, 0)\n            rope = self.stream_rope(a, s, tok, lane)\n",
+        "            cute.arch.mbarrier_wait(s.mbr + i, 0)\n"
+        f"            if i == groups - 1:\n                _tl_store(t.tid % 32, {_T_AT.format(5)}, _tl_time(a.m >> 31))\n"
+        "            rope = self.stream_rope(a, s, tok, lane)\n",
     ),
     (
         "flint_aot/kernels/qkv.py",
-        "                ys = []\n",
-        f"                if c == 0:\n                    _tl_store(t.tid, {_T_AT.format(25)}, _tl_time(a.m >> 31))\n"
-        "                ys = []\n",
+        "                            self.store_qk(a, t, tok, slot, ys[j], scale, dims[j])\n",
+        "                            self.store_qk(a, t, tok, slot, ys[j], scale, dims[j])\n"
+        f"            if i == groups - 1:\n                _tl_store(t.tid % 32, {_T_AT.format(6)}, _tl_time(a.m >> 31))\n",
     ),
     (
         "flint_aot/kernels/norm.py",
@@ -287,7 +275,6 @@ def run(bundle: str, specs: list[str]) -> None:
         base = t[:, :, 0].min()
         groups = -(-m // 8)
         gx = (t[:, :, 16 : 16 + groups] - base) % (1 << 32)
-        ep = (t[:, :, 24:27] - base) % (1 << 32)  # the stream's epilogue steps
         t, sm, ge = (t[:, :, :7] - base) % (1 << 32), t[:, :, 7], (t[:, :, 8 : 8 + groups] - base) % (1 << 32)
         nt = (tn.cpu().numpy().astype(np.int64)[:, :m, :4] - base) % (1 << 32)
         qk = (nq + nkv) * 8  # CTAs of q/k heads (the exchange)
@@ -325,21 +312,13 @@ def run(bundle: str, specs: list[str]) -> None:
                         (G[:, 1:] - X[:, 1:]).mean(axis=1))
                     row["per further group: previous MMAs done to its x in"] = np.median(
                         (X[:, 1:] - G[:, :-1]).mean(axis=1))
-                if design == "separate":  # the epilogue's steps (q/k heads' CTAs)
-                    E = ep[i]
-                    row["epilogue: last MMAs to its first pass done"] = np.median(E[:qk, 0] - G[:qk, -1])
-                    row["epilogue: first pass done to the first chunk's exchanges in"] = np.median(
-                        E[:qk, 1] - E[:qk, 0])
-                    row["epilogue: the first chunk's arithmetic and stores"] = np.median(E[:qk, 2] - E[:qk, 1])
-                    if groups > 4:
-                        row["epilogue: the first chunk's stores to the last chunk's exchanges in"] = np.median(
-                            L[:qk, 5] - E[:qk, 2])
-                row["q/k exchange (T5 - T4)"] = np.median(L[:qk, 5] - G[:qk, -1])
+                # the stream has no q/k exchange: T5 is the CTA's last group's partial sums in (every CTA's)
+                del row["q/k exchange (T5 - T4)"], row["stores (T6 - T5)"]
                 last = G[:, -1].reshape(-1, 8)  # a cluster: 8 consecutive CTAs
                 row["cluster skew of the last group's MMAs (max - min)"] = np.median(np.ptp(last, axis=1))
-                row["q/k exchange after the cluster's last MMAs"] = np.median(
-                    L[:qk, 5] - np.repeat(last.max(axis=1), 8)[:qk]
-                )
+                row["last group's sums in (T5) after the cluster's last MMAs"] = np.median(
+                    L[:, 5] - np.repeat(last.max(axis=1), 8))
+                row["last group's epilogue (T6 - T5)"] = np.median(L[:, 6] - L[:, 5])
             if design == "separate":
                 nn = nt[i + 1]  # the norm kernel between qkv layers i and i + 1
                 row["norm: wait-return after the last qkv store"] = nn[:, 1].max() - L[:, 6].max()

@@ -97,6 +97,11 @@ def ld_shared(ptr):
     )
 
 
+def ld_shared_f32x4(ptr):
+    """4 fp32 of shared memory at a 16-byte aligned pointer."""
+    return [as_f32(v) for v in ld_shared(ptr)]
+
+
 def smem_row(fp4: bool) -> int:
     """Row stride (elements) of x of all K staged in shared memory (SharedX: the 8-token qkv kernel), padded
     against bank conflicts (loader.abi.tile8_row)."""
@@ -434,10 +439,13 @@ class CtaGemv:
 #   norm kernel wrote it in the ring's layout, the fused kernel; one per token from plain rows, the
 #   standalone GEMV) into a ring of STAGES stages in dynamic shared memory, each refilled as soon as every
 #   warp has read it; each weight fragment, held in registers for the whole call, meets every group;
-# * after each group's MMAs every warp sends its 16 x 8 partial sums to the rank that owns its row block
-#   (4 h + w), by st.async, and goes on to the next group without waiting for anyone: the owner adds the
-#   four quarters (sum_quarters, in order 0..3) of every group once its own MMAs are done, holding, like the
-#   8-token kernel after reduce_rows, the sum of row tid % 16, token 8 i + tid // 16. (Waiting for a peer's
+# * after each group's MMAs every warp sends its 16 x 8 partial sums to their owners by st.async, and goes
+#   on to the next group without waiting for anyone. The standalone GEMV's owners are row blocks (`send`:
+#   rank 4 h + w), each thread then holding, like the 8-token kernel after reduce_rows, the sum of row
+#   tid % 16, token 8 i + tid // 16 (`total`); the fused kernel's are tokens (`send_tokens`: rank j, token
+#   8 i + j of every group, all 128 rows of the head), so that one warp holds a token's whole head for its
+#   q/k norm and RoPE (`token_rows`: lane l the rows 4 l .. 4 l + 3). Either way the owner adds the four
+#   quarters in order 0..3, once its own MMAs are done. (Waiting for a peer's
 #   group after each group, as a first version did, paid a DSMEM round trip per group: 1.2-1.5 us,
 #   BENCHMARKS.md.)
 QUARTER = K_QUARTER  # k per quarter (512)
@@ -449,17 +457,26 @@ PART_BYTES = WARPS * ROWS * GROUP * 4  # partial sums one owner receives per gro
 # tokens stays aligned
 PART_ROW = GROUP + 2
 PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
+# the fused kernel's owners are tokens, not row blocks (send_tokens): rank j receives token 8 i + j of
+# group i, all 128 rows of the head from the 8 CTAs (2 halves x 4 quarters), [group][quarter][row] fp32: the
+# same bytes, so PART_BYTES holds for both
+HEAD_ROWS = 2 * WARPS * ROWS
+TOKEN_WORDS = WARPS * HEAD_ROWS  # one group's buffer (words)
 
 
 class StreamGemv:
     """The token stream's GEMV of one CTA (tiles 16, 32, 64): `alloc` / `arm` set up its shared memory and
     mbarriers, `start` issues the weights of this thread (K quarter q) and waits for the predecessor, `fill`
-    brings a group's x quarter into the ring, `partials` runs a group's MMAs, `send` hands them to the row
-    blocks' owners, `total` is the owner's sum. The caller decides the order (docs/kernels.md §2.5)."""
+    brings a group's x quarter into the ring, `partials` runs a group's MMAs, `send` / `send_tokens` hand them
+    to the owners of the row blocks / of the tokens, `total` / `token_rows` are an owner's sums. The caller
+    decides the order (docs/kernels.md §2.5)."""
 
     def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False,
-                 ring_x: bool = False):
+                 ring_x: bool = False, token_owners: bool = False):
         self.fp4, self.tile, self.pre = fp4, tile, pre
+        # partial sums to the owner of each token (send_tokens, the fused kernel) or of each row block (send)
+        self.token_owners = token_owners
+        self.part_words = TOKEN_WORDS if token_owners else PART_WORDS
         # x in the ring layout (loader.abi.xn_strides: the fused kernel's two-kernel design, whose norm
         # kernel writes it so): one bulk copy per group and stage; else plain rows, one copy per token
         self.ring_x = ring_x
@@ -475,11 +492,12 @@ class StreamGemv:
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
 
     def alloc(self):
-        """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums
-        [group][quarter][row][token] fp32, one mbarrier per stage (its x copies landed; where stages are
-        refilled, a second: every warp is done with it) and one per group (partial sums)."""
+        """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums (row owners:
+        [group][quarter][row][token], token owners: [group][quarter][row]) fp32, one mbarrier per stage (its
+        x copies landed; where stages are refilled, a second: every warp is done with it) and one per group
+        (partial sums)."""
         xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
-        red = cute.arch.alloc_smem(Float32, self.groups * PART_WORDS, alignment=16)
+        red = cute.arch.alloc_smem(Float32, self.groups * self.part_words, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, (2 if self.refills else 1) * self.stages, alignment=8)
         mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
         return xs, red, mbx, mbr
@@ -571,6 +589,42 @@ class StreamGemv:
             cute.arch.store_async_dsmem(red + (base + half * 8 * PART_ROW),
                                         (as_i32(d[2 * half]), as_i32(d[2 * half + 1])), mbr + i,
                                         owner)  # fmt: skip
+
+    @cute.jit
+    def send_tokens(self, red, mbr, d, i, rank, tid):
+        """Group i's partial sums of this warp's row block to the owners of its 8 tokens: rank j owns token
+        8 i + j, words [i][q][64 h + 16 w + row]. Lane (g, t) holds rows g and g + 8 of tokens 2 t and
+        2 t + 1; lanes g and g ^ 1 swap one token's pair (2 shuffles), so that each lane holds two rows of one
+        token (token 2 t + g % 2, rows g & ~1 and its neighbour, and 8 further) and sends them as two 8-byte
+        st.async, as many as send."""
+        warp, _, g, t = lanes(tid)
+        q = rank % WARPS
+        odd = (g & 1) != 0
+        give = [as_i32(Float32(cutlass.select_(odd, d[j], d[j + 1]))) for j in (0, 2)]
+        keep = [as_i32(Float32(cutlass.select_(odd, d[j + 1], d[j]))) for j in (0, 2)]
+        got = [cute.arch.shuffle_sync_bfly(v, 4) for v in give]  # lane g ^ 1 (lane ^ 4)
+        row = (rank // WARPS) * (WARPS * ROWS) + warp * ROWS + (g & 6)
+        base = cute.assume((i * WARPS + q) * HEAD_ROWS + row, divby=2)
+        for j in cutlass.range_constexpr(2):  # rows (g & ~1, +1), then 8 further
+            lo = cutlass.select_(odd, got[j], keep[j])
+            hi = cutlass.select_(odd, keep[j], got[j])
+            cute.arch.store_async_dsmem(red + (base + 8 * j), (lo, hi), mbr + i, 2 * t + (g & 1))
+
+    def token_rows(self, st, red, i, lane):
+        """Token owner (send_tokens), after group i's mbarrier: the fp32 sums (quarters in order, times the
+        global scale for NVFP4) of the head's rows 4 lane .. 4 lane + 3 for this CTA's token of group i."""
+        part = red + i * TOKEN_WORDS
+        qs = []
+        for q in range(WARPS):
+            ptr = part + cute.assume(q * HEAD_ROWS + 4 * lane, divby=4)
+            qs.append(ld_shared_f32x4(ptr))
+        out = []
+        for j in range(4):
+            s = qs[0][j]
+            for q in range(1, WARPS):
+                s = s + qs[q][j]
+            out.append(scaled(self.fp4, st, s))
+        return out
 
     def total(self, st, red, mbr, i, tid, wait: bool = True):
         """Owner: the fp32 sum of row tid % 16 of its row block, token 8 i + tid // 16 (quarters in order),

@@ -25,7 +25,8 @@ m x 4 KB of dynamic shared memory, each thread's epilogue runs for tokens t and 
    every CTA of the head and its rows to its RoPE partner (rank ^ 4) with st.async on their mbarriers,
    then applies the RMSNorm (fp32, sums in rank order: the same in all 8 CTAs), NeoX RoPE from the fp32
    cos|sin table (or none) and one bf16 rounding to its own 16 dims, and stores q or writes k. An FP8 cache
-   gets e4m3(value / scale) of the same bf16 values (device.store_cache).
+   gets e4m3(value / scale) of the same bf16 values (device.store_cache). The token stream (tiles 16..64)
+   exchanges nothing here: its CTAs own tokens, not dims, and one warp holds a token's whole head.
 
 `QkvKernel` holds a specialization's compile-time configuration (format, RoPE, heads, cache dtype, design,
 token tile); its `kernel` is the flat parameter list the manifest records, and the steps above are its
@@ -52,10 +53,10 @@ from flint_aot.kernels.device import NORM_VEC
 from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM
 
 R = core.ROWS
+ROPE_ROW_BYTES = HEAD_DIM * 4  # one position's cos|sin row of the fp32 table
 K_PART = core.K // CLUSTER  # the prologue design (tile 8): the slice of every token each CTA normalises
 GROUP = core.GROUP
 QUARTERS = core.WARPS  # the token stream: K quarters per row block, CTAs per quad (a quad: 64 rows)
-EPI_CHUNK = 4  # the token stream's epilogue: groups whose arithmetic runs as one straight line
 
 
 class QkvKernel(Kernel):
@@ -81,7 +82,7 @@ class QkvKernel(Kernel):
             # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
             sep = not self.prologue
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
-                                        ring_x=sep)  # fmt: skip
+                                        ring_x=sep, token_owners=True)  # fmt: skip
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
             # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
@@ -91,11 +92,6 @@ class QkvKernel(Kernel):
         else:
             self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
         self.groups = self.tile // GROUP
-        self.epi_chunk = min(EPI_CHUNK, self.groups)  # the token stream's epilogue, groups per chunk
-        # a second pass of one chunk (tiles 16 and 32) loads every group's cos/sin when the epilogue starts,
-        # under its first pass (NVFP4 (32, 4) 0.2-0.5 us faster; tile 64's two chunks loading all 16 values
-        # a thread at once were slower than each chunk its own: BENCHMARKS.md §2 step 11)
-        self.rope_first = self.streamed and self.groups <= EPI_CHUNK
         self.meta_threads = min(self.tile, 32)  # the token stream: warp 0 stages slots and positions
         self.xrow = core.smem_row(self.fp4)  # tile 8: x of all K per token in shared memory
         # bytes each CTA of a q/k head receives over DSMEM per group of 8 tokens: the 8 ranks' per-token sums
@@ -133,7 +129,7 @@ class QkvKernel(Kernel):
         """M <= 8: the CTA owns 16 rows (rank r: the head's dims 16 r ..) over all K, x of all 8 tokens in its
         shared memory (xn multicast once per cluster, or the split input norm), warps = K quarters."""
         s = self.shared(a, t)
-        wn, wp = self.norm_weights(a, t)
+        wn, wp = (w[0] for w in self.norm_weights(a, t, [t.dim]))
         # the weight stream, issued before griddepcontrol.wait (which follows it). BF16: the activations are
         # fetched as soon as the weight loads are issued (by threads that wait for the predecessor
         # themselves), NVFP4 after the guarded wait: a waiting thread's warp cannot decode (measured,
@@ -283,12 +279,12 @@ class QkvKernel(Kernel):
     def stream_kernel(self, a, t):
         """Tiles 16, 32, 64: the CTA of rank 4 h + q computes K quarter q of the head's rows 64 h .. 64 h + 63
         (gemv_core.StreamGemv) for one group of 8 tokens after another, sending each group's partial sums to
-        the owner of each row block (rank 4 h + w, the head's dims 16 (4 h + w) ..) without waiting; then, as
-        owner, the 8-token kernel's epilogue for every group: first every group's sum and exchange, then
-        every group's stores, so that each exchange is waited for once, not once per group. Both phases are
-        loops over the groups at run time (one copy of their code, not one per group: unrolled, the 64-token
-        kernel's groups each cost up to twice the 16-token kernel's, BENCHMARKS.md). Every token's slot and
-        position are read once, into shared memory, by the threads of warp 0 (one or two tokens each)."""
+        the owners of its tokens (rank j: token 8 i + j, all 128 rows) without waiting; then, as owner, the
+        epilogue of its token of every group, one warp a group, with no further exchange (stream_epilogue).
+        Both phases are loops over the groups at run time (one copy of their code, not one per group:
+        unrolled, the 64-token kernel's groups each cost up to twice the 16-token kernel's, BENCHMARKS.md).
+        Every token's slot and position are read once, into shared memory, by the threads of warp 0 (one or
+        two tokens each), which also copy the cos|sin rows of the CTA's own tokens."""
         s = self.stream_shared(a, t)
         q = t.rank % QUARTERS
         row0 = ((t.cta // QUARTERS) * QUARTERS + t.tid // 32) * R  # this warp's row block
@@ -310,42 +306,44 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_shared(self, a, t):
-        """The stream's shared memory (gemv_core.StreamGemv.alloc), the epilogue's exchange buffers and
-        mbarrier (tile 8's ssq, pv, mbar) per group, every token's slot (int32, -1: not written) and position
-        (-1: outside the table), on mbm (one arrival per staging thread); prologue design: ssn
+        """The stream's shared memory (gemv_core.StreamGemv.alloc), every token's slot (int32, -1: not
+        written) and position (-1: outside the table), on mbm (one arrival per staging thread); with RoPE, the
+        cos|sin row of this CTA's token of each group (rs, 512 B a group: read by the epilogue, which
+        otherwise waited for the table after the group's sums), on mbc (q/k heads); prologue design: ssn
         [token][virtual warp], the 8 slice sums of squares of each token, on mbn. Initialised before the
         cluster arrive. (Every KB counts: the shared memory of 3 CTAs sets the SM's carveout, and what is
         left of the 256 KB is the L1 that the weight loads in flight pass through, BENCHMARKS.md.)"""
         xs, red, mbx, mbr = self.core.alloc()
-        groups = self.groups
-        ssq = cute.arch.alloc_smem(Float32, groups * CLUSTER * GROUP, alignment=16)
-        pv = cute.arch.alloc_smem(Float32, groups * R * GROUP, alignment=16)  # partner values [token][row]
-        mbar = cute.arch.alloc_smem(Int64, groups, alignment=8)
         mslot = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
         mpos = cute.arch.alloc_smem(Int32, self.tile, alignment=16)
         mbm = cute.arch.alloc_smem(Int64, 1, alignment=8)
-        ssn = ssq
-        mbn = mbar
+        rs, mbc = mslot, mbm  # RoPE: this CTA's tokens' cos|sin rows (bulk copies by stream_meta), on mbc
+        if cutlass.const_expr(self.rope):
+            rs = cute.arch.alloc_smem(Float32, self.groups * HEAD_DIM, alignment=16)
+            mbc = cute.arch.alloc_smem(Int64, 1, alignment=8)
+        ssn = mslot  # (prologue design only)
+        mbn = mbm
         if cutlass.const_expr(self.prologue):
             ssn = cute.arch.alloc_smem(Float32, self.tile * CLUSTER, alignment=16)
             mbn = cute.arch.alloc_smem(Int64, 1, alignment=8)
         if t.tid == 0:
             self.core.arm(xs, red, mbx, mbr)
-            for i in cutlass.range_constexpr(groups):
-                cute.arch.mbarrier_init(mbar + i, 1)
             cute.arch.mbarrier_init(mbm, self.meta_threads)
+            if cutlass.const_expr(self.rope):
+                cute.arch.mbarrier_init(mbc, 1)
             if cutlass.const_expr(self.prologue):
                 cute.arch.mbarrier_init(mbn, 1)
             cute.arch.mbarrier_init_fence()
-            if not t.is_v:
-                for i in cutlass.range_constexpr(groups):
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar + i, self.rx_bytes)
+            if cutlass.const_expr(self.rope):
+                if not t.is_v:  # one row of cos|sin per group
+                    groups = (a.m + (GROUP - 1)) // GROUP
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbc, groups * ROPE_ROW_BYTES)
             if cutlass.const_expr(self.prologue):  # 2 sums from each of the 4 quarters' CTAs, per token
                 cute.arch.mbarrier_arrive_and_expect_tx(mbn, a.m * (CLUSTER * 4))
         cute.arch.sync_warp()  # warp 0's other threads use the mbarriers before the cluster wait (mbx, mbm)
         cute.arch.cluster_arrive_relaxed()
-        return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssq=ssq, pv=pv, mbar=mbar, ssn=ssn, mbn=mbn,
-                               mslot=mslot, mpos=mpos, mbm=mbm)  # fmt: skip
+        return SimpleNamespace(xs=xs, red=red, mbx=mbx, mbr=mbr, ssn=ssn, mbn=mbn, mslot=mslot, mpos=mpos,
+                               mbm=mbm, rs=rs, mbc=mbc)  # fmt: skip
 
     def stream_first(self, a, t, s, q):
         """Once the weights are issued (BF16) or after the guarded wait (NVFP4): the separate design's first
@@ -371,10 +369,11 @@ class QkvKernel(Kernel):
         """Threads tid < meta_threads (warp 0, the warp of the thread that initialised mbm), after the wait:
         tokens tid and tid + 32: the slot as int32 (-1 unless inside the cache, which the loader keeps below
         2**31 slots) and the position (-1 outside the cos/sin table; tokens past m take token m - 1's) into
-        shared memory; then an arrival on mbm. Every load is issued before any is used, so no token waits
-        behind another (8 threads taking 8 tokens each, one after another, with the RoPE coefficients' copies
-        depending on each position, made the gap between layers 8.4 instead of 3.7 us at M = 64,
-        BENCHMARKS.md)."""
+        shared memory; then an arrival on mbm. With RoPE, in a q/k head, the thread of each of this CTA's
+        tokens copies the token's cos|sin row into rs (one 512-byte bulk copy, on mbc). Every load is issued
+        before any is used, so no token waits behind another (8 threads taking 8 tokens each, one after
+        another, with the RoPE coefficients' copies depending on each position, made the gap between layers
+        8.4 instead of 3.7 us at M = 64, BENCHMARKS.md)."""
         toks = [t.tid + 32 * j for j in range((self.tile + 31) // 32)]
         slots, poss = [], []
         for tok in toks:
@@ -389,21 +388,29 @@ class QkvKernel(Kernel):
             device.put(s.mslot, tok, Int32(cutlass.select_(ok, slots[j], Int64(-1))))
             if cutlass.const_expr(self.rope):
                 p = poss[j]
-                device.put(s.mpos, tok, Int32(cutlass.select_(p >= 0 and p < a.max_pos, p, Int64(-1))))
+                inside = p >= 0 and p < a.max_pos
+                device.put(s.mpos, tok, Int32(cutlass.select_(inside, p, Int64(-1))))
+                # this CTA's tokens (8 i + rank, i < the groups of m): their table row (row 0 outside it)
+                if not t.is_v and tok % GROUP == t.rank and tok < (a.m + (GROUP - 1)) // GROUP * GROUP:
+                    row = Int64(cutlass.select_(inside, p, Int64(0))) * HEAD_DIM
+                    src = a.cos_sin_cache + cute.assume(row, divby=HEAD_DIM)
+                    device.bulk_copy(s.rs + cute.assume(tok // GROUP * HEAD_DIM, divby=HEAD_DIM), src, s.mbc,
+                                     ROPE_ROW_BYTES)  # fmt: skip
         cute.arch.mbarrier_arrive(s.mbm)  # (after this thread's stores)
 
-    def stream_rope(self, a, t, s, tok):
-        """(ok, cos, sin) of this thread's dim at token tok's position (staged by stream_meta: -1 outside the
-        table, which rope_coeffs turns into row 0 and ok = False), read from the table in global memory (the
-        loads are issued before the exchange they are needed after: its latency hides theirs)."""
+    def stream_rope(self, a, s, tok, lane):
+        """(ok, cos, sin) of dims 4 lane .. 4 lane + 3 at token tok's position: the row stream_meta copied
+        into rs (row 0 of the table for a position outside it, which gives ok = False, as device.rope_coeffs
+        does). Two 16-byte shared-memory loads (lanes l and l + 16 read the same words)."""
         if cutlass.const_expr(self.rope):
-            p = cute.make_tensor(s.mpos, cute.make_layout(self.tile))[tok]
-            return device.rope_coeffs(a.cos_sin_cache, Int64(p), a.max_pos, t.dim)
-        return True, Float32(1.0), Float32(0.0)
+            ok = cute.make_tensor(s.mpos, cute.make_layout(self.tile))[tok] >= 0
+            row = s.rs + cute.assume(tok // GROUP * HEAD_DIM + (4 * lane) % HALF_DIM, divby=4)
+            return ok, core.ld_shared_f32x4(row), core.ld_shared_f32x4(row + HALF_DIM)
+        return True, [Float32(1.0)] * 4, [Float32(0.0)] * 4
 
     @cute.jit
     def stream_mmas(self, a, t, s, st, q):
-        """Every group's MMAs (a loop at run time) and partial sums to the row blocks' owners; its ring stage
+        """Every group's MMAs (a loop at run time) and partial sums to the tokens' owners; its ring stage
         refilled (separate design: bulk copies of group i + stages once every warp has read it; prologue
         design: group i + 1 normalised into the other stage after the MMAs, then a CTA barrier)."""
         groups = (a.m + (GROUP - 1)) // GROUP
@@ -413,64 +420,79 @@ class QkvKernel(Kernel):
                 if i + 1 < groups:  # (the other stage: read by group i - 1's MMAs, which every warp ended
                     self.stream_norm_fill(a, t, s, q, i + 1)  # before the last barrier)
                 cute.arch.sync_threads()
-                self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
+                self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
         else:
             for i in cutlass.range(groups, unroll=1):  # (one copy of the loop: ptxas unrolled tile 16's 3x)
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
                 if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
                     self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
-                self.core.send(s.red, s.mbr, d, i, t.rank, t.tid)
+                self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
     def stream_epilogue(self, a, t, s, st, scale):
-        """As owner: for every group (a loop at run time), as soon as its quarters are in, their sum rounded
-        to bf16 and the epilogue's first half (v head: the cache store; q/k head: the exchange), so that every
-        exchange is under way while the peers' later groups still arrive; then the second half (q/k head: the
-        norm, RoPE and stores), EPI_CHUNK groups at a time, the sum taken again from shared memory. A chunk
-        loads its cos/sin (a single chunk: every group's, before the first pass), waits for all its exchanges,
-        then runs their arithmetic as one straight line and stores last, so the groups' latencies overlap
-        (with a wait or a store between two groups, they follow one another). Groups past m exist in shared
-        memory; their arithmetic runs on whatever is there, and nothing of it is stored."""
+        """As the owner of token 8 i + rank of every group i (gemv_core.StreamGemv.send_tokens): warp w
+        takes groups w, w + 4, .. (a loop at run time), lane l the head's dims 4 l .. 4 l + 3. As soon as the
+        group's partial sums are in (every CTA's, for all 128 rows), the quarters' sums rounded to bf16; v
+        head: the cache stores; q/k head: the RMSNorm, RoPE and stores with no exchange at all, since the
+        whole head of the token is in this warp (the row owners before it sent the sums of squares and the
+        RoPE partners across the cluster after each group: 0.1-1.5 us a layer slower, BENCHMARKS.md §2 step
+        18). The sum of squares is the 8-token kernel's, bit for bit: its 16-lane butterfly over each 16-dim
+        block (here two adds in the lane, then lanes ^ 1 and ^ 2) and the 8 blocks' sums in rank order; the
+        RoPE partner (dim ^ 64) is in lane ^ 16."""
         groups = (a.m + (GROUP - 1)) // GROUP
-        early = None  # rope_first: every group's (ok, cos, sin), loaded now
-        if cutlass.const_expr(self.rope_first):
-            early = [self.stream_rope(a, t, s, GROUP * i + t.tk) for i in range(self.groups)]
-        for i in range(groups):
+        warp, lane, _, _ = device.lanes(t.tid)
+        dims = [4 * lane + j for j in range(4)]
+        wn, wp = self.norm_weights(a, t, dims)
+        if cutlass.const_expr(self.rope):
+            if not t.is_v:
+                cute.arch.mbarrier_wait(s.mbc, 0)  # this CTA's cos|sin rows (copied while the MMAs ran)
+        for i in cutlass.range(warp, groups, core.WARPS, unroll=1):
+            tok = GROUP * i + t.rank
+            slot = self.stream_slot(s, tok)
             cute.arch.mbarrier_wait(s.mbr + i, 0)
-            tok = GROUP * i + t.tk
-            self.epilogue_send(a, t, self.group_buffers(s, i), self.stream_value(t, s, st, i), i, scale,
-                               self.stream_slot(s, tok))  # fmt: skip
-        if not t.is_v:
-            wn, wp = self.norm_weights(a, t)
-            ch = self.epi_chunk
-            for c in range((groups + (ch - 1)) // ch):
-                idx = [c * ch + j for j in range(ch)]
-                if cutlass.const_expr(self.rope_first):  # (the only chunk: c == 0)
-                    ropes = early
-                else:
-                    ropes = [self.stream_rope(a, t, s, GROUP * i + t.tk) for i in idx]
-                for i in idx:
-                    if i < groups:
-                        cute.arch.mbarrier_wait(s.mbar + i, 0)
-                ys = []
-                for i, rope in zip(idx, ropes, strict=True):
-                    buf = self.group_buffers(s, i)
-                    ys.append(self.finish_value(a, t, buf, self.stream_value(t, s, st, i), rope, wn, wp))
-                for i, yb in zip(idx, ys, strict=True):
-                    tok = GROUP * i + t.tk
-                    self.store_qk(a, t, tok, self.stream_slot(s, tok), yb, scale)
-
-    def stream_value(self, t, s, st, i):
-        """Group i's qkv value of this thread (row r, token 8 i + tk), rounded once to bf16 (as fp32); the
-        caller has waited for the group's partial sums."""
-        return self.core.total(st, s.red, s.mbr, i, t.tid, wait=False).to(BFloat16).to(Float32)
+            rope = self.stream_rope(a, s, tok, lane)
+            hv = [v.to(BFloat16).to(Float32) for v in self.core.token_rows(st, s.red, i, lane)]
+            if t.is_v:
+                if tok < a.m:
+                    for j in cutlass.range_constexpr(4):
+                        device.store_cache(a.v_cache, slot, *self.geometry(a), t.head - (self.nq + self.nkv),
+                                           dims[j], hv[j].to(BFloat16), self.fp8, scale, True)  # fmt: skip
+            else:
+                ys = self.finish_token(a, hv, rope, wn, wp, dims)
+                if tok < a.m:
+                    if t.head < self.nq:  # q: 4 dims in one 8-byte store
+                        off = cute.assume(tok * (self.nq * HEAD_DIM) + t.head * HEAD_DIM + 4 * lane, divby=4)
+                        r = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
+                        for j in cutlass.range_constexpr(4):
+                            r[j] = ys[j]
+                        cute.autovec_copy(r, cute.make_tensor(a.q + off, cute.make_layout(4)))
+                    else:
+                        for j in cutlass.range_constexpr(4):
+                            self.store_qk(a, t, tok, slot, ys[j], scale, dims[j])
 
     def stream_slot(self, s, tok):
         return cute.make_tensor(s.mslot, cute.make_layout(self.tile))[tok]
 
-    def group_buffers(self, s, i):
-        pv = s.pv + cute.assume(i * (R * GROUP), divby=R * GROUP)  # (16-byte aligned: send_partner)
-        return (s.ssq + i * (CLUSTER * GROUP), pv, s.mbar + i)
+    def finish_token(self, a, hv, rope, wn, wp, dims):
+        """A token's 128 dims in one warp (hv: dims 4 lane ..): finish_value's RMSNorm and RoPE, bit for
+        bit."""
+        sq = [h * h for h in hv]
+        part = (sq[0] + sq[1]) + (sq[2] + sq[3])  # the butterfly's first two steps, inside the lane
+        for o in (1, 2):
+            part = part + cute.arch.shuffle_sync_bfly(part, o)
+        tot = cute.arch.shuffle_sync(part, 0)
+        for j in range(1, CLUSTER):  # rank order
+            tot = tot + cute.arch.shuffle_sync(part, 4 * j)
+        inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+        ok, c, sn = rope
+        ys = []
+        for j in range(4):
+            y = hv[j] * inv * wn[j]
+            if cutlass.const_expr(self.rope):
+                yp = cute.arch.shuffle_sync_bfly(hv[j], 16) * inv * wp[j]
+                y = device.rotate(y, yp, ok, c[j], sn[j], dims[j])
+            ys.append(y.to(BFloat16))
+        return ys
 
     @cute.jit
     def stream_norm_sums(self, a, t, s, q):
@@ -527,13 +549,14 @@ class QkvKernel(Kernel):
                          device.norm_apply(r, sc, nw), NORM_VEC)  # fmt: skip
 
     # ------------------------------------------------------------------------- the per-head epilogue (§2.3)
-    def norm_weights(self, a, t):
-        """The q/k norm weights of this thread's dim and of its rotation partner (model constants)."""
+    def norm_weights(self, a, t, dims):
+        """The q/k norm weights of the given dims and of their rotation partners (model constants): lists."""
         qw = cute.make_tensor(a.q_norm_weight, cute.make_layout(HEAD_DIM))
         kw = cute.make_tensor(a.k_norm_weight, cute.make_layout(HEAD_DIM))
-        is_q, dim = t.head < self.nq, t.dim
-        wn = Float32(cutlass.select_(is_q, qw[dim].to(Float32), kw[dim].to(Float32)))
-        wp = Float32(cutlass.select_(is_q, qw[dim ^ HALF_DIM].to(Float32), kw[dim ^ HALF_DIM].to(Float32)))
+        is_q = t.head < self.nq
+        wn = [Float32(cutlass.select_(is_q, qw[d].to(Float32), kw[d].to(Float32))) for d in dims]
+        wp = [Float32(cutlass.select_(is_q, qw[d ^ HALF_DIM].to(Float32), kw[d ^ HALF_DIM].to(Float32)))
+              for d in dims]  # fmt: skip
         return wn, wp
 
     @cute.jit
@@ -587,18 +610,11 @@ class QkvKernel(Kernel):
         0-0.27 us a layer faster at M = 12-64 (BENCHMARKS.md §2 step 17). The 8-token kernel: [row][token],
         one word a thread."""
         partner = t.rank ^ (CLUSTER // 2)
-        v = device.f32_bits(hv)
-        if cutlass.const_expr(self.streamed):
-            w = [v] + [cute.arch.shuffle_sync_down(v, o) for o in (1, 2, 3)]
-            if t.tid % 4 == 0:
-                word = cute.assume(t.tid // 4 * 4, divby=4)
-                cute.arch.store_async_dsmem(pv + word, tuple(w), mbar, partner)
-        else:
-            cute.arch.store_async_dsmem(pv + (t.r * GROUP + t.tk), v, mbar, partner)
+        cute.arch.store_async_dsmem(pv + (t.r * GROUP + t.tk), device.f32_bits(hv), mbar, partner)
 
     def partner_word(self, t):
         """The word of pv that holds this thread's partner value (send_partner's layout)."""
-        return t.tid if self.streamed else t.r * GROUP + t.tk
+        return t.r * GROUP + t.tk
 
     @cute.jit
     def store_v(self, a, t, tok, slot, hv, scale):
@@ -632,13 +648,15 @@ class QkvKernel(Kernel):
         return y.to(BFloat16)
 
     @cute.jit
-    def store_qk(self, a, t, tok, slot, yb, scale):
-        """q, or the k cache (an FP8 cache: e4m3(value / scale) of the same bf16 value), for tokens < m."""
+    def store_qk(self, a, t, tok, slot, yb, scale, dim=None):
+        """q, or the k cache (an FP8 cache: e4m3(value / scale) of the same bf16 value), for tokens < m, at
+        this thread's dim (or the given one)."""
+        dim = t.dim if dim is None else dim
         if tok < a.m:
             if t.head < self.nq:
-                device.put(a.q, tok * (self.nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yb)
+                device.put(a.q, tok * (self.nq * HEAD_DIM) + t.head * HEAD_DIM + dim, yb)
             else:
-                device.store_cache(a.k_cache, slot, *self.geometry(a), t.head - self.nq, t.dim, yb,
+                device.store_cache(a.k_cache, slot, *self.geometry(a), t.head - self.nq, dim, yb,
                                    self.fp8, scale, self.streamed)  # fmt: skip
 
     def ptr_types(self) -> dict:
