@@ -435,10 +435,10 @@ class QkvKernel(Kernel):
         group's partial sums are in (every CTA's, for all 128 rows), the quarters' sums rounded to bf16; v
         head: the cache stores; q/k head: the RMSNorm, RoPE and stores with no exchange at all, since the
         whole head of the token is in this warp (the row owners before it sent the sums of squares and the
-        RoPE partners across the cluster after each group: 0.1-1.5 us a layer slower, BENCHMARKS.md §2 step
-        18). The sum of squares is the 8-token kernel's, bit for bit: its 16-lane butterfly over each 16-dim
-        block (here two adds in the lane, then lanes ^ 1 and ^ 2) and the 8 blocks' sums in rank order; the
-        RoPE partner (dim ^ 64) is in lane ^ 16."""
+        RoPE partners across the cluster after each group, up to 2.3 us a layer slower: BENCHMARKS.md §2
+        step 18). The sum of squares is the 8-token kernel's, bit for bit: its 16-lane butterfly over each
+        16-dim block (here two adds in the lane, then lanes ^ 1 and ^ 2) and the 8 blocks' sums in rank
+        order; the RoPE partner (dim ^ 64) is in lane ^ 16."""
         groups = (a.m + (GROUP - 1)) // GROUP
         warp, lane, _, _ = device.lanes(t.tid)
         dims = [4 * lane + j for j in range(4)]
