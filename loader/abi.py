@@ -101,6 +101,16 @@ def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
     return ring_strides(qkv["weight_format"])
 
 
+def xn_pairs(qkv: dict | None = None) -> int:
+    """1 where the qkv kernel of spec `qkv` reads xn with each 8-element chunk k0 .. k0 + 7 stored in the
+    order of its NVFP4 MMA pairs (k0, k0 + 4, k0 + 1, k0 + 5, .., k0 + 3, k0 + 7): the two-kernel design with
+    NVFP4 weights, whose norm kernel then writes it so, once, instead of every warp of every CTA permuting
+    every fragment it reads (4 byte permutes a 16-byte load); else 0 (plain order)."""
+    if qkv is None or qkv.get("norm", "separate") != "separate":
+        return 0
+    return int(qkv["weight_format"] == "nvfp4")
+
+
 def xn_numel(m: int, strides: tuple[int, int, int]) -> int:
     """Elements of an xn of m tokens in that layout: whole rows one after another, pads included (what one
     copy of m rows reads); the ring layout's whole groups (what a group's bulk copies may read)."""

@@ -18,8 +18,10 @@ from loader.abi import ARCH_CC, GRID_SYMBOLS, PARAM_TYPES  # noqa: F401  (ARCH_C
 MANIFEST_NAME = "manifest.json"
 # 2: Param.align (the alignment a kernel assumes of a pointer), dyn_smem_per_m; 3: the norm kernel writes xn
 # in the layout its qkv kernel reads (loader.abi.xn_strides), so a loader and a bundle of different layouts
-# must never meet: a bundle of 2 would run with wrong results, and is refused with the fix instead
-SCHEMA_VERSION = 3
+# must never meet: a bundle of 2 would run with wrong results, and is refused with the fix instead; 4: for
+# an NVFP4 qkv kernel the norm kernel writes each 8 elements of xn in the MMA pair order (loader.abi.xn_pairs,
+# a norm kernel parameter), which that qkv kernel no longer makes itself
+SCHEMA_VERSION = 4
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")
 

@@ -65,9 +65,9 @@ def _norm_launcher(dev: int, has_res: bool):
     return _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
 
 
-def _xn_layout(strides: tuple[int, int, int]) -> dict:
-    """The norm kernel's xn strides (loader.abi.xn_strides) as its parameters."""
-    return dict(zip(("xn_group", "xn_row", "xn_quarter"), strides, strict=True))
+def _xn_layout(strides: tuple[int, int, int], pairs: int = 0) -> dict:
+    """The norm kernel's xn layout (loader.abi.xn_strides, loader.abi.xn_pairs) as its parameters."""
+    return dict(zip(("xn_group", "xn_row", "xn_quarter"), strides, strict=True)) | {"xn_pairs": pairs}
 
 
 def _norm_plan(names, renames, args, has_res) -> plans.Plan:
@@ -213,7 +213,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
         strides = abi.xn_strides(k.entry.spec)  # (the token stream's: its ring layout)
         p.xn = abi.xn_numel(m, strides)
         c = dict(consts, residual=0, residual_out=0, norm_weight=0, has_residual=0, eps=0.0)
-        nc = _xn_layout(strides) | ({} if has_res else {"residual": 0})
+        nc = _xn_layout(strides, abi.xn_pairs(k.entry.spec)) | ({} if has_res else {"residual": 0})
         norm = (_norm_launcher(dev, has_res), symbols, nc, _also(renames, weight="norm_weight"))
         launches = [norm, (k, symbols, c, _also(renames, x="xn"))]
     plans.bind(p, names + _QKV_VALUES, launches)

@@ -43,7 +43,7 @@ def test_build_small_matrix(built):
     for e in b.manifest.kernels:
         assert e.entry == f"flint_{e.name}_0" and e.block == (256, 1, 1) and e.grid == ("M", 1, 1)
         assert [p.name for p in e.params] == ["x", "residual", "residual_out", "xn", "weight", "eps",
-                                            "xn_group", "xn_row", "xn_quarter"]
+                                            "xn_group", "xn_row", "xn_quarter", "xn_pairs"]
         assert b.read(e)[:4] == b"\x7fELF"
     assert all(not p for p in verify(b).values())
     text = (d / "bundle" / "manifest.json").read_text()

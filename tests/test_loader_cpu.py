@@ -421,14 +421,17 @@ def test_manifest_cluster_policy_round_trip_and_refusals():
 
 
 def test_a_bundle_of_the_previous_xn_layout_is_refused_with_the_fix():
-    """A bundle of schema 2 (built before the norm kernel wrote xn in the layout its qkv kernel reads) would
-    run with this loader's layouts and give wrong results; its manifest is refused at load, and the message
-    says how to fix it (no GPU, no DSL: the manifest alone)."""
+    """A bundle of schema 2 (built before the norm kernel wrote xn in the layout its qkv kernel reads) or 3
+    (before it wrote NVFP4's xn in the MMA pair order) would run with this loader's layouts and give wrong
+    results or fail at launch; its manifest is refused at load, and the message says how to fix it (no GPU,
+    no DSL: the manifest alone)."""
     from loader.manifest import SCHEMA_VERSION, Manifest, ManifestError
 
-    assert SCHEMA_VERSION == 3
+    assert SCHEMA_VERSION == 4
     d = {"schema_version": 2, "generator": "flint-aot 0.1.0", "dsl_version": "4.8.1", "config": {},
          "kernels": []}  # fmt: skip
-    with pytest.raises(ManifestError, match=r"schema version 2, this loader reads version 3; rebuild"):
-        Manifest.from_dict(d)
-    assert Manifest.from_dict(dict(d, schema_version=3)).schema_version == 3
+    for old in (2, 3):
+        msg = rf"schema version {old}, this loader reads version 4; rebuild"
+        with pytest.raises(ManifestError, match=msg):
+            Manifest.from_dict(dict(d, schema_version=old))
+    assert Manifest.from_dict(dict(d, schema_version=4)).schema_version == 4

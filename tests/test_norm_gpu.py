@@ -153,7 +153,8 @@ def test_bad_arguments_raise_before_launch(gpu_bundle):
                                     (64, 64)])  # fmt: skip
 def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     """The norm kernel writing the layout a two-kernel qkv kernel reads (loader.abi.xn_strides: the 8-token
-    kernels' padded rows, the token stream's ring), launched by name into a NaN-poisoned buffer with guard
+    kernels' padded rows, the token stream's ring; loader.abi.xn_pairs: for NVFP4 each 8 elements in the
+    MMA pair order k0, k0 + 4, k0 + 1, k0 + 5, ..), launched by name into a NaN-poisoned buffer with guard
     bands: every token's values land at their offsets with the bits of the op's plain-row xn; the pads, the
     rows of tokens past M in the ring's last group and the guard bands stay NaN."""
     import loader
@@ -161,18 +162,22 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
 
     x, r, w = _inputs(m, 300 + m)
     want, want_res = loader.fused_add_rms_norm(x, r, w, 1e-6)
-    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=tile))
+    spec = abi.qkv_spec(fmt, True, 16, 2, max_m=tile)
+    s, pairs = abi.xn_strides(spec), abi.xn_pairs(spec)
+    assert pairs == (fmt == "nvfp4")
     n, guard = abi.xn_numel(m, s), 4096
     buf = torch.full((n + 2 * guard,), float("nan"), device="cuda").bfloat16()
     res_out = torch.full_like(x, float("nan"))
     loader.launch_kernel("norm", {"residual": True}, (m,), x=x, residual=r, residual_out=res_out,
                          xn=buf[guard:], weight=w, eps=1e-6, xn_group=s[0], xn_row=s[1],
-                         xn_quarter=s[2])  # fmt: skip
+                         xn_quarter=s[2], xn_pairs=pairs)  # fmt: skip
     torch.cuda.synchronize()
     assert torch.equal(res_out, want_res)
     t = torch.arange(m, device="cuda")[:, None]
     k = torch.arange(2048, device="cuda")[None, :]
-    off = guard + (t // 8) * s[0] + (t % 8) * s[1] + (k // 512) * s[2] + k % 512
+    j = k % 8  # k's slot in its chunk: plain, or the pair order (k0 + j at 2 j, k0 + 4 + j at 2 j + 1)
+    slot = torch.where(j < 4, 2 * j, 2 * (j - 4) + 1) if pairs else j
+    off = guard + (t // 8) * s[0] + (t % 8) * s[1] + (k // 512) * s[2] + (k % 512 - j + slot)
     assert torch.equal(buf[off], want), "a value not at its layout's offset"
     rest = torch.ones_like(buf, dtype=torch.bool)
     rest[off.flatten()] = False

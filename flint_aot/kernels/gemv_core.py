@@ -199,8 +199,10 @@ def sum_quarters(red, tid, row: int = 8):
 #   4 c + t, c = 0..3, of rows g and g + 8 (one 16-byte load each: a warp instruction reads 8 rows x 64
 #   contiguous bytes), their 2 block scales (half of a 4-byte swizzle group) and x of token g at those k;
 # * code word i = 4 c + u (k0 = 512 w + 128 c + 32 t + 8 u, .. k0 + 7) decodes to 4 bf16x2 registers
-#   P_j = (k0 + j, k0 + j + 4), j = 0..3, and x is permuted to the same pairs; word i feeds MMA 2 i (P_0, P_1)
-#   and 2 i + 1 (P_2, P_3): a K permutation shared by A and B, so the dot product is unchanged;
+#   P_j = (k0 + j, k0 + j + 4), j = 0..3, and x is permuted to the same pairs (fp4_x_pairs, or, in the fused
+#   kernel's two-kernel design, by the norm kernel where it writes xn: loader.abi.xn_pairs); word i feeds
+#   MMA 2 i (P_0, P_1) and 2 i + 1 (P_2, P_3): a K permutation shared by A and B, so the dot product is
+#   unchanged;
 # * lanes t = 2, 3 take the words of each chunk in the order u ^ 2 (2, 3, 0, 1): MMA step i = 4 c + u reads
 #   word 4 c + (u ^ (t & 2)) for both A and B (a lane's k-slots meet only that lane's, so the lanes of one
 #   step may hold different words). Why: at one step the lanes t read x 64 B (32 k) apart, so t and t + 2
@@ -322,10 +324,11 @@ def fp4_x_k(t, i, kx=0):
     return kx + t * 32 + 128 * (i // 4) + 8 * ((i % 4) ^ (t & 2))
 
 
-def fp4_mma_partials(D, x, tok, tid, m, kx=None):
+def fp4_mma_partials(D, x, tok, tid, m, kx=None, paired=False):
     """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words), x
     and tok as mma_partials. Global x loads are fenced: every one is issued right after the wait, before the
-    first MMA."""
+    first MMA. paired: x holds each 8 k already in the MMA's pair order (fp4_x_pairs' output; the norm kernel
+    writes it so for the two-kernel design, loader.abi.xn_pairs), so its loads feed the MMAs as they are."""
     warp, _, g, t = lanes(tid)
     kx = warp * (K // WARPS) if kx is None else kx
     X = _x_loads(x, tok, [fp4_x_k(t, i, kx) for i in range(FP4_WORDS)])
@@ -338,7 +341,7 @@ def fp4_mma_partials(D, x, tok, tid, m, kx=None):
         z = as_f32(runtime_zero(flat, m))  # all global x loads issued at once, before the first MMA
     acc = [[z, z, z, z], [z, z, z, z]]
     for i in range(FP4_WORDS):
-        xp = fp4_x_pairs(X[i])
+        xp = X[i] if paired else fp4_x_pairs(X[i])
         a, b = D[0][i], D[1][i]
         for h in range(2):
             acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
@@ -393,9 +396,10 @@ def decode_rest(st, tid):
 
 
 def partial_sums(fp4: bool, st, x, tok, tid, m, kx=None):
-    """This warp's MMAs for 8 tokens (mma_partials / fp4_mma_partials; NVFP4: after decode_rest)."""
+    """This warp's MMAs for 8 tokens (mma_partials / fp4_mma_partials; NVFP4: after decode_rest; st["paired"]:
+    x in the MMA pair order)."""
     if fp4:
-        return fp4_mma_partials(st["D"], x, tok, tid, m, kx)
+        return fp4_mma_partials(st["D"], x, tok, tid, m, kx, st.get("paired", False))
     return mma_partials(st["A"], x, tok, tid, st["zero"], kx)
 
 
@@ -408,11 +412,13 @@ class CtaGemv:
     """The 8-token GEMV of one CTA for one weight format: `start` issues the weight slice and waits for the
     predecessor (weights_then_wait), `sums` computes this CTA's 16 rows for up to 8 tokens."""
 
-    def __init__(self, fp4: bool, pre: int):
-        self.fp4, self.pre = fp4, pre
+    def __init__(self, fp4: bool, pre: int, paired: bool = False):
+        self.fp4, self.pre, self.paired = fp4, pre, paired  # paired: x in the NVFP4 MMA pair order
 
     def start(self, w, wsc, gsc, row0, tid, m, issued=None):
-        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
+        st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
+        st["paired"] = self.paired
+        return st
 
     def sums(self, st, x, m, tid, between=None):
         """After start: thread tid gets the fp32 sum (times the global scale for NVFP4) of row tid % 16, token
@@ -472,8 +478,9 @@ class StreamGemv:
     decides the order (docs/kernels.md §2.5)."""
 
     def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False,
-                 ring_x: bool = False, token_owners: bool = False):
+                 ring_x: bool = False, token_owners: bool = False, paired: bool = False):
         self.fp4, self.tile, self.pre = fp4, tile, pre
+        self.paired = paired  # x in the NVFP4 MMA pair order (fp4_mma_partials)
         # partial sums to the owner of each token (send_tokens, the fused kernel) or of each row block (send)
         self.token_owners = token_owners
         self.part_words = TOKEN_WORDS if token_owners else PART_WORDS
@@ -517,6 +524,7 @@ class StreamGemv:
 
     def start(self, w, wsc, gsc, row0, q, tid, m, issued=None):
         st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, q)
+        st["paired"] = self.paired
         if self.fp4:
             decode_rest(st, tid)  # every group uses every word
         return st

@@ -6,7 +6,8 @@ weights at once, and waits (griddepcontrol.wait) before it reads x or the residu
 launched as a PDL dependent of whatever wrote them. The arithmetic is device.norm_*: the qkv kernel's
 prologue variant rounds exactly the same way. xn is written in the layout its three strides give
 (loader.abi.xn_strides): plain rows for the ops; for the two-kernel design, the layout of the shared memory
-the qkv kernel copies it into (the 8-token kernels' padded rows, the token stream's ring).
+the qkv kernel copies it into (the 8-token kernels' padded rows, the token stream's ring), and for an NVFP4
+qkv kernel each 8 elements in its MMA pair order (xn_pairs, loader.abi.xn_pairs).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class NormKernel(Kernel):
         xn_group: Int32,
         xn_row: Int32,
         xn_quarter: Int32,
+        xn_pairs: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
@@ -69,7 +71,10 @@ class NormKernel(Kernel):
         # (the layout of xn: loader.abi.xn_strides; a thread's 8 elements never straddle a quarter)
         xo = ((row // TOKEN_GROUP) * xn_group + (row % TOKEN_GROUP) * xn_row
               + (tid // QUARTER_CHUNKS) * xn_quarter + (tid % QUARTER_CHUNKS) * NORM_VEC)
-        device.store_vec(xn + cute.assume(xo, divby=NORM_VEC), y, NORM_VEC)
+        if xn_pairs != 0:  # (loader.abi.xn_pairs: the NVFP4 qkv kernel's MMA pair order)
+            device.store_vec(xn + cute.assume(xo, divby=NORM_VEC), device.mma_pairs(y), NORM_VEC)
+        else:
+            device.store_vec(xn + cute.assume(xo, divby=NORM_VEC), y, NORM_VEC)
         if cutlass.const_expr(self.residual):
             device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)
 

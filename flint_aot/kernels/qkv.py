@@ -50,7 +50,7 @@ from flint_aot.kernels import device
 from flint_aot.kernels import gemv_core as core
 from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.device import NORM_VEC
-from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM
+from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, xn_pairs
 
 R = core.ROWS
 ROPE_ROW_BYTES = HEAD_DIM * 4  # one position's cos|sin row of the fp32 table
@@ -72,6 +72,9 @@ class QkvKernel(Kernel):
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
         self.prologue = spec.get("norm") == "prologue"
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
+        # NVFP4, two-kernel design: the norm kernel writes xn in the MMA pair order (loader.abi.xn_pairs), so
+        # no warp permutes its x fragments (4 byte permutes a 16-byte load: 0.14-1.1 us a layer at M = 12-64)
+        self.paired = bool(xn_pairs(spec))
         self.streamed = self.tile > GROUP  # the token stream (docs/kernels.md §2.5)
         if self.streamed:
             # (the prologue design fills its ring itself, one group ahead: 2 stages.) The 32-token kernel's
@@ -82,7 +85,7 @@ class QkvKernel(Kernel):
             # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
             sep = not self.prologue
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
-                                        ring_x=sep, token_owners=True)  # fmt: skip
+                                        ring_x=sep, token_owners=True, paired=self.paired)  # fmt: skip
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
             # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
@@ -90,7 +93,7 @@ class QkvKernel(Kernel):
             # BENCHMARKS.md §2 step 12)
             self.cluster_policy = "load_balancing"
         else:
-            self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV)
+            self.gemv = core.CtaGemv(self.fp4, core.FP4_PRE_QKV, self.paired)
         self.groups = self.tile // GROUP
         self.meta_threads = min(self.tile, 32)  # the token stream: warp 0 stages slots and positions
         self.xrow = core.smem_row(self.fp4)  # tile 8: x of all K per token in shared memory
