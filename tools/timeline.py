@@ -155,8 +155,8 @@ PATCHES = [
     ),
     (
         "flint_aot/kernels/norm.py",
-        "        xn_quarter: Int32,\n    ):",
-        "        xn_quarter: Int32,\n        trace: cute.Pointer,\n    ):",
+        "        xn_pairs: Int32,\n    ):",
+        "        xn_pairs: Int32,\n        trace: cute.Pointer,\n    ):",
     ),
     (
         "flint_aot/kernels/norm.py",
