@@ -425,10 +425,8 @@ class QkvKernel(Kernel):
                 cute.arch.sync_threads()
                 self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
         else:
-            d0 = self.core.partials(st, self.core.stage(s.xs, s.mbx, 0), 0, a.m, t.tid)  # DIAG XM
             for i in cutlass.range(groups, unroll=1):  # (one copy of the loop: ptxas unrolled tile 16's 3x)
-                self.core.stage(s.xs, s.mbx, i)
-                d = d0
+                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
                 if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
                     self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
                 self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
