@@ -395,11 +395,11 @@ def decode_rest(st, tid):
     st["D"] = [{**st["D"][i], **rest[i]} for i in range(2)]
 
 
-def partial_sums(fp4: bool, st, x, tok, tid, m, kx=None):
-    """This warp's MMAs for 8 tokens (mma_partials / fp4_mma_partials; NVFP4: after decode_rest; st["paired"]:
-    x in the MMA pair order)."""
+def partial_sums(fp4: bool, st, x, tok, tid, m, kx=None, paired=False):
+    """This warp's MMAs for 8 tokens (mma_partials / fp4_mma_partials; NVFP4: after decode_rest; paired: x in
+    the MMA pair order)."""
     if fp4:
-        return fp4_mma_partials(st["D"], x, tok, tid, m, kx, st.get("paired", False))
+        return fp4_mma_partials(st["D"], x, tok, tid, m, kx, paired)
     return mma_partials(st["A"], x, tok, tid, st["zero"], kx)
 
 
@@ -416,9 +416,7 @@ class CtaGemv:
         self.fp4, self.pre, self.paired = fp4, pre, paired  # paired: x in the NVFP4 MMA pair order
 
     def start(self, w, wsc, gsc, row0, tid, m, issued=None):
-        st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
-        st["paired"] = self.paired
-        return st
+        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued)
 
     def sums(self, st, x, m, tid, between=None):
         """After start: thread tid gets the fp32 sum (times the global scale for NVFP4) of row tid % 16, token
@@ -427,7 +425,7 @@ class CtaGemv:
         if self.fp4:
             decode_rest(st, tid)
         _, _, g, _ = lanes(tid)
-        d = partial_sums(self.fp4, st, x, cutlass.min(g, m - 1), tid, m)
+        d = partial_sums(self.fp4, st, x, cutlass.min(g, m - 1), tid, m, paired=self.paired)
         if between is not None:
             between()
         red = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * ROWS * 8, alignment=16),
@@ -482,7 +480,6 @@ class StreamGemv:
         self.fp4, self.tile, self.pre = fp4, tile, pre
         self.paired = paired  # x in the NVFP4 MMA pair order (fp4_mma_partials)
         # partial sums to the owner of each token (send_tokens, the fused kernel) or of each row block (send)
-        self.token_owners = token_owners
         self.part_words = TOKEN_WORDS if token_owners else PART_WORDS
         # x in the ring layout (loader.abi.xn_strides: the fused kernel's two-kernel design, whose norm
         # kernel writes it so): one bulk copy per group and stage; else plain rows, one copy per token
@@ -524,7 +521,6 @@ class StreamGemv:
 
     def start(self, w, wsc, gsc, row0, q, tid, m, issued=None):
         st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, q)
-        st["paired"] = self.paired
         if self.fp4:
             decode_rest(st, tid)  # every group uses every word
         return st
@@ -585,7 +581,7 @@ class StreamGemv:
         """This warp's partial sums of group i (tokens 8 i ..): the 8-token design's MMA sequence on its
         quarter; x: the group's stage."""
         _, _, g, _ = lanes(tid)
-        return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0)
+        return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0, self.paired)
 
     def send(self, red, mbr, d, i, rank, tid):
         """Group i's partial sums of this warp's row block to its owner, rank 4 h + w, slot [i][q]."""

@@ -607,13 +607,10 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def send_partner(self, t, pv, mbar, hv):
-        """This thread's value into the rotation partner's (rank ^ 4) pv, word partner_word(t). In the token
-        stream pv is laid out [token][row] (word tid = 16 tk + r), so 4 lanes' words are adjacent and lane 4 j
-        sends them in one 16-byte st.async (3 shuffles): 32 st.async a group into each partner instead of 128,
-        0-0.27 us a layer faster at M = 12-64 (BENCHMARKS.md §2 step 17). The 8-token kernel: [row][token],
-        one word a thread."""
+        """The 8-token kernel: this thread's value into the rotation partner's (rank ^ 4) pv, [row][token],
+        word partner_word(t). (The token stream exchanges nothing: stream_epilogue.)"""
         partner = t.rank ^ (CLUSTER // 2)
-        cute.arch.store_async_dsmem(pv + (t.r * GROUP + t.tk), device.f32_bits(hv), mbar, partner)
+        cute.arch.store_async_dsmem(pv + self.partner_word(t), device.f32_bits(hv), mbar, partner)
 
     def partner_word(self, t):
         """The word of pv that holds this thread's partner value (send_partner's layout)."""
