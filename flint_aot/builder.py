@@ -360,7 +360,7 @@ class _Compiler:
         if self._stopped:
             return None
         t0 = time.perf_counter()
-        work = Path(tempfile.mkdtemp(prefix=f"{s.name}.{s.arch}.", dir=self.work_root))
+        work = Path(tempfile.mkdtemp(prefix=f"{s.name}.{s.arch}.", dir=self.work_root)).resolve()
         try:
             env = dict(os.environ, TMPDIR=str(work), FLINT_AOT_BUILDER_PID=str(os.getpid()))
             env[plugins.PATH_ENV] = self.plugin_path
@@ -368,9 +368,11 @@ class _Compiler:
             with self.lock:
                 if self._stopped:
                     return None
+                # (cwd: `python -m` puts the working directory first on sys.path, so a build started in
+                # another checkout would compile that checkout's kernels; the work folder holds no package)
                 p = subprocess.Popen(
                     _compile_command(s, work), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
+                    stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True, cwd=work,
                 )  # fmt: skip
                 self.running.add(p)
             try:

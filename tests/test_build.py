@@ -131,6 +131,25 @@ def test_failed_build_keeps_previous_bundle(built, tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".keep.tmp-*"))
 
 
+def test_compiles_its_own_kernels_from_any_directory(built, tmp_path, monkeypatch):
+    """A build started in a directory that holds another `flint_aot` (another checkout, an older copy)
+    compiles the builder's own kernels: the compile processes (`python -m`, which puts the working directory
+    first on sys.path) must not import the one there."""
+    from flint_aot import builder, kernels
+
+    d, _ = built
+    decoy = tmp_path / "elsewhere"
+    (decoy / "flint_aot").mkdir(parents=True)
+    (decoy / "flint_aot" / "__init__.py").write_text("raise SystemExit('the decoy flint_aot was imported')\n")
+    monkeypatch.chdir(decoy)
+    cache = shutil.copytree(d / "cache", tmp_path / "cache")
+    plan = builder.prepare(d / "small.yaml", tmp_path / "out", cache_dir=cache)
+    victim = next(s for s in plan.todo if s.label == "norm_res1@sm_90a")
+    shutil.rmtree(cache / builder.build_key(victim, kernels.source_hash(), plan.dsl))
+    builder.build(d / "small.yaml", tmp_path / "out", jobs=1, cache_dir=cache)
+    assert _files(tmp_path / "out") == _files(d / "bundle")
+
+
 def test_refuses_to_replace_a_non_bundle(built, tmp_path):
     from flint_aot.builder import BuildError, build
 
