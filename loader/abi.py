@@ -90,11 +90,26 @@ def ring_strides(weight_format: str) -> tuple[int, int, int]:
     return (HIDDEN // K_QUARTER * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
 
 
+# * the wgmma token stream (NVFP4, spec key debug_wgmma: a research build): each group's K quarter as the
+#   wgmma's canonical K-major tile (no swizzle), 64 core matrices of 8 tokens x 16 bytes; chunk 4 i + j of the
+#   quarter holds, at word t of token n's 16 bytes, MMA pair j of the 8 k that lane t reads at MMA step i
+#   (gemv_core.fp4_x_k): 8 KB a group and quarter, no pad (xn_pairs 2; row = one core-matrix row).
+WG_QUARTER = TOKEN_GROUP * K_QUARTER  # elements of a group's K quarter in the wgmma layout (8 KB)
+WG_STRIDES = (HIDDEN // K_QUARTER * WG_QUARTER, 64, WG_QUARTER)
+
+
+def wgmma_stream(qkv: dict | None) -> bool:
+    """The qkv kernel of spec `qkv` is the wgmma token stream (reads xn in the WG_STRIDES layout)."""
+    return bool(qkv and qkv.get("debug_wgmma"))
+
+
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
     """(group, row, quarter) element strides of the xn the qkv kernel of spec `qkv` reads (None: the norm
     ops' output, plain rows; the prologue design reads none)."""
     if qkv is None or qkv.get("norm", "separate") != "separate":
         return ROW_MAJOR
+    if wgmma_stream(qkv):
+        return WG_STRIDES
     if qkv.get("max_m", 8) <= TOKEN_GROUP:
         r = tile8_row(qkv["weight_format"])
         return (TOKEN_GROUP * r, r, K_QUARTER)
@@ -108,6 +123,8 @@ def xn_pairs(qkv: dict | None = None) -> int:
     every fragment it reads (4 byte permutes a 16-byte load); else 0 (plain order)."""
     if qkv is None or qkv.get("norm", "separate") != "separate":
         return 0
+    if wgmma_stream(qkv):
+        return 2
     return int(qkv["weight_format"] == "nvfp4")
 
 

@@ -30,6 +30,7 @@ from loader.abi import (
     ROWS_PER_CTA,
     SCALE_COLS,
     TOKEN_GROUP,
+    WG_STRIDES,
     ring_strides,
     stream_row,
     tile8_row,
@@ -433,6 +434,77 @@ class CtaGemv:
         return scaled(self.fp4, st, reduce_rows(d, tid, red))
 
 
+# ----------------------------------------------------------------------------- wgmma (the wgmma token stream)
+# wgmma.m64nNk16 of a warpgroup (the CTA's 4 warps, warp w the rows 16 w .. 16 w + 15) adds exactly what
+# mma.sync adds given the same A fragments, k permutation and order (benchmarks/wgmma_probe: every sum of six
+# inputs bit-identical), and reuses each A fragment for N tokens. A: this thread's mma.sync A registers or a
+# canonical K-major tile in shared memory; B (x): canonical K-major tiles, 8 tokens x 16 B core matrices.
+WG_CORE = 128  # bytes of one core matrix
+
+
+def _f32_struct(n):
+    return llvm.StructType.get_literal([Float32.mlir_type] * n)
+
+
+def _wg_tied(asm, vals, extra=(), extra_cons=()):
+    """asm with vals as tied in/out fp32 registers $0.. and extra inputs after them (side effects: never
+    reordered against the other wgmma statements); returns the new values."""
+    n = len(vals)
+    cons = ",".join(["=f"] * n + list(extra_cons) + [str(i) for i in range(n)])
+    ops = [e.ir_value() if hasattr(e, "ir_value") else e for e in extra] + [v.ir_value() for v in vals]
+    res = llvm.inline_asm(_f32_struct(n), ops, asm, cons, has_side_effects=True)
+    return [Float32(llvm.extractvalue(Float32.mlir_type, res, [i])) for i in range(n)]
+
+
+def wg_fence(vals):
+    """wgmma.fence: the accumulators and A registers written before are visible to the wgmma after."""
+    return _wg_tied("wgmma.fence.sync.aligned;", vals)
+
+
+def wg_wait(vals):
+    """Commit the wgmma issued so far and wait for them: vals hold their sums after."""
+    return _wg_tied("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;", vals)
+
+
+def wgmma_ss(n, acc, desc_a, desc_b, one):
+    """acc += A (64 rows x k16 at desc_a) x B (k16 x n tokens at desc_b), both from shared memory."""
+    r = n // 2
+    d = ",".join(f"${i}" for i in range(r))
+    asm = ("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $" + str(r + 2) + ", 0;\n\t"
+           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, ${r}, ${r + 1}, p, 1, 1, 0, 0;"
+           "\n\t}")  # fmt: skip
+    return _wg_tied(asm, acc, extra=(desc_a, desc_b, one), extra_cons=("l", "l", "r"))
+
+
+def wgmma_rs(n, acc, a, desc, one):
+    """acc += A (4 registers: mma.sync's A fragment of this warp's 16 rows) x B (k16 x n tokens at desc)."""
+    r = n // 2
+    d = ",".join(f"${i}" for i in range(r))
+    asm = ("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $" + str(r + 5) + ", 0;\n\t"
+           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, "
+           f"{{${r},${r + 1},${r + 2},${r + 3}}}, ${r + 4}, p, 1, 1, 0;\n\t}}")  # fmt: skip
+    return _wg_tied(asm, acc, extra=(*a, desc, one), extra_cons=("r", "r", "r", "r", "l", "r"))
+
+
+def wg_desc_sw128(addr, sbo: int):
+    """A K-major matrix descriptor with the 128-byte swizzle: rows of 128 bytes, 8 rows (1 KB, 1 KB-aligned) an
+    atom, the next 8 rows (tokens) sbo bytes further; addr may point 32, 64 or 96 bytes into a row (the k16
+    slices of the atom)."""
+    return Int64((addr >> 4) & 0x3FFF) | Int64(1 << 16) | (Int64(sbo >> 4) << 32) | (Int64(1) << 62)
+
+
+def sw128_chunk(c, row):
+    """Byte offset of logical 16-byte chunk c of row `row` (0..7) in the 128-byte swizzled layout of a group's
+    K quarter (loader.abi.WG_STRIDES): atom c // 8, row `row`, chunk (c % 8) ^ row."""
+    return (c // 8) * 1024 + row * 128 + ((c % 8) ^ row) * 16
+
+
+def wg_desc(addr, sbo: int):
+    """A no-swizzle K-major matrix descriptor: start address addr (shared, bytes), the next core matrix in k
+    WG_CORE bytes further (LBO), the next 8 rows (tokens) sbo bytes further (SBO)."""
+    return Int64((addr >> 4) & 0x3FFF) | Int64((WG_CORE >> 4) << 16) | (Int64(sbo >> 4) << 32)
+
+
 # ----------------------------------------------------------------------------- the token stream (tiles > 8)
 # docs/kernels.md §2.5. The unit of work of the 8-token design, one warp's K quarter of 16 rows with its two
 # MMA chains, is kept, and so is the order in which the quarters are added; what changes is where the units
@@ -465,6 +537,11 @@ PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 # group i, all 128 rows of the head from the 8 CTAs (2 halves x 4 quarters), [group][quarter][row] fp32: the
 # same bytes, so PART_BYTES holds for both
 HEAD_ROWS = 2 * WARPS * ROWS
+WG_MODE = "pass"  # research: "pass" (one wgmma pass), "first" (group 0 by mma.sync, then one pass), "mma"
+# (every group by mma.sync from the canonical ring), "pairs" (passes of N = 16)
+WG_META_AFTER = True  # research: warp 0 stages slots / positions after the park's CTA barrier
+WG_PARK = True  # research: False = no A tile in shared memory (mode "mma" only)
+WG_REG = 12  # the wgmma stream: NVFP4 words whose A fragments stay in registers (the rest: shared memory)
 TOKEN_WORDS = WARPS * HEAD_ROWS  # one group's buffer (words)
 
 
@@ -476,7 +553,7 @@ class StreamGemv:
     decides the order (docs/kernels.md §2.5)."""
 
     def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False,
-                 ring_x: bool = False, token_owners: bool = False, paired: bool = False):
+                 ring_x: bool = False, token_owners: bool = False, paired: bool = False, wgmma: bool = False):
         self.fp4, self.tile, self.pre = fp4, tile, pre
         self.paired = paired  # x in the NVFP4 MMA pair order (fp4_mma_partials)
         # partial sums to the owner of each token (send_tokens, the fused kernel) or of each row block (send)
@@ -494,13 +571,27 @@ class StreamGemv:
         group, _, self.ring_quarter = ring_strides("nvfp4" if fp4 else "bf16")  # ring_x: xn's strides
         self.ring_quarters = group // self.ring_quarter  # (a group's quarter blocks, one after another)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
+        # the wgmma stream (NVFP4, a ring holding every group): x in the wgmma's canonical tiles (xn in
+        # loader.abi.WG_STRIDES, one 8 KB bulk copy a group), one pass of wgmma over all groups' tokens (N = 8
+        # per group) with words 0 .. WG_REG - 1 of A from registers and the rest from a canonical tile in
+        # shared memory (parked once by their threads; at 3 CTAs per SM the registers do not hold N = 32's
+        # accumulators beside all 16 words: benchmarks/wgmma_probe)
+        self.wgmma = wgmma
+        if wgmma:
+            assert fp4 and ring_x and paired and self.stages == self.groups, "wgmma: NVFP4, ring of every group"
+            group, _, self.ring_quarter = WG_STRIDES
+            self.ring_quarters = group // self.ring_quarter
+            self.stage_bytes = GROUP * QUARTER * 2
+            self.a_off = self.stages * self.stage_bytes  # A's parked words, after the ring
+            self.a_sbo = (FP4_WORDS - WG_REG) * 4 * WG_CORE  # next 8 rows of A
+            self.dyn_smem = self.a_off + (WARPS * ROWS // 8 * self.a_sbo if WG_PARK else 0)
 
     def alloc(self):
         """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums (row owners:
         [group][quarter][row][token], token owners: [group][quarter][row]) fp32, one mbarrier per stage (its
         x copies landed; where stages are refilled, a second: every warp is done with it) and one per group
         (partial sums)."""
-        xs = cute.arch.get_dyn_smem(BFloat16, alignment=128)
+        xs = cute.arch.get_dyn_smem(BFloat16, alignment=1024 if self.wgmma else 128)
         red = cute.arch.alloc_smem(Float32, self.groups * self.part_words, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, (2 if self.refills else 1) * self.stages, alignment=8)
         mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
@@ -534,7 +625,12 @@ class StreamGemv:
         8 i + tid)."""
         stg = i % self.stages
         n = cutlass.min(m - GROUP * i, GROUP)
-        if cutlass.const_expr(self.ring_x):
+        if cutlass.const_expr(self.wgmma):  # the whole canonical tile (its rows interleave the 8 tokens)
+            if tid == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, self.stage_bytes)
+                src = x + (i * self.ring_quarters + q) * self.ring_quarter
+                bulk_copy(xs + stg * (self.stage_bytes // 2), src, mbx + stg, self.stage_bytes)
+        elif cutlass.const_expr(self.ring_x):
             if tid == 0:
                 nbytes = n * (self.xrow * 2)
                 cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, nbytes)
@@ -582,6 +678,64 @@ class StreamGemv:
         quarter; x: the group's stage."""
         _, _, g, _ = lanes(tid)
         return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0, self.paired)
+
+    def park(self, st, xs, tid):
+        """wgmma stream, after start: this thread's A fragments of words WG_REG .. 15 (both rows) into the
+        canonical K-major tile of A in shared memory (row r = 16 w + g (+ 8): word t of core matrix
+        4 (i - WG_REG) + j holds register j of word i, as the x tiles hold pair j of lane t's chunk). The
+        caller fences them for the async proxy and syncs the CTA before the first pass."""
+        warp, _, g, t = lanes(tid)
+        xb = xs.toint()
+        for i in range(WG_REG, FP4_WORDS):
+            for h in range(2):
+                regs = st["D"][h][i]
+                for j in range(4):
+                    off = self.a_off + (2 * warp + h) * self.a_sbo + (4 * (i - WG_REG) + j) * WG_CORE + g * 16 + t * 4
+                    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[xb + off, regs[j]])
+
+    def canonical_partials(self, st, xs, i, tid):
+        """wgmma stream: group i's partial sums by the 8-token design's mma.sync sequence, x from its canonical
+        ring stage by ldmatrix (matrix j of step s: core matrix 4 s + j, whose row g word t is lane (g, t)'s
+        pair j of token g: fp4_mma_partials' paired fragment); A: all 16 words from registers."""
+        _, lane, _, _ = lanes(tid)
+        stage = xs.toint() + i * self.stage_bytes
+        z = Float32(0.0)
+        acc = [[z, z, z, z], [z, z, z, z]]
+        D = st["D"]
+        for s in range(FP4_WORDS):
+            xp = cute.arch.inline_ptx(
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                write_only_types=[Int32] * 4,
+                read_only_args=[stage + sw128_chunk(4 * s + lane // 8, lane % 8)])  # fmt: skip
+            a, b = D[0][s], D[1][s]
+            for h in range(2):
+                acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
+                                       (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
+        return [acc[0][e] + acc[1][e] for e in range(4)]
+
+    def wg_pass(self, st, xs, n: int, first: int = 0):
+        """wgmma stream: the partial sums of tokens 0 .. n - 1 (ring stages 0 .. n / 8 - 1, landed), as
+        partials' per group: [[d0, d1, d2, d3] per group]. The same two chains over the same 16 steps in
+        the same order as fp4_mma_partials (bit-identical sums)."""
+        z, one = Float32(0.0), Int32(1)
+        xb = xs.toint()
+        bdesc = wg_desc_sw128(xb + first * self.stage_bytes, self.stage_bytes)
+        adesc = wg_desc(xb + self.a_off, self.a_sbo)
+        acc = wg_fence([z] * n)
+        acc = [acc[: n // 2], acc[n // 2 :]]
+        D = st["D"]
+        for i in range(FP4_WORDS):
+            for h in range(2):
+                c0 = 4 * i + 2 * h  # (its two chunks: c0, c0 + 1 of the same row)
+                db = bdesc + Int64(((c0 // 8) * 1024 + (c0 % 8) * 16) >> 4)
+                if i >= WG_REG:
+                    da = adesc + Int64(((4 * (i - WG_REG) + 2 * h) * WG_CORE) >> 4)
+                    acc[h] = wgmma_ss(n, acc[h], da, db, one)
+                else:
+                    a, b = D[0][i], D[1][i]
+                    acc[h] = wgmma_rs(n, acc[h], (a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]), db, one)
+        flat = wg_wait(acc[0] + acc[1])
+        return [[flat[4 * g + e] + flat[n // 2 + 4 * g + e] for e in range(4)] for g in range(n // GROUP)]
 
     def send(self, red, mbr, d, i, rank, tid):
         """Group i's partial sums of this warp's row block to its owner, rank 4 h + w, slot [i][q]."""

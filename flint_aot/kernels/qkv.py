@@ -50,7 +50,7 @@ from flint_aot.kernels import device
 from flint_aot.kernels import gemv_core as core
 from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.device import NORM_VEC
-from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, xn_pairs
+from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, wgmma_stream, xn_pairs
 
 R = core.ROWS
 ROPE_ROW_BYTES = HEAD_DIM * 4  # one position's cos|sin row of the fp32 table
@@ -76,6 +76,7 @@ class QkvKernel(Kernel):
         # no warp permutes its x fragments (4 byte permutes a 16-byte load: 0.14-1.1 us a layer at M = 12-64)
         self.paired = bool(xn_pairs(spec))
         self.streamed = self.tile > GROUP  # the token stream (docs/kernels.md §2.5)
+        self.wgmma = False
         if self.streamed:
             # (the prologue design fills its ring itself, one group ahead: 2 stages.) The 32-token kernel's
             # ring holds all 4 of its groups: its 3 CTAs still fit the 164 KB carveout, and every group's x is
@@ -84,8 +85,10 @@ class QkvKernel(Kernel):
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
             # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
             sep = not self.prologue
+            self.wgmma = wgmma_stream(spec)  # (a research build: loader.abi.wgmma_stream)
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
-                                        ring_x=sep, token_owners=True, paired=self.paired)  # fmt: skip
+                                        ring_x=sep, token_owners=True, paired=self.paired,
+                                        wgmma=self.wgmma)  # fmt: skip
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
             # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
@@ -296,6 +299,12 @@ class QkvKernel(Kernel):
                              issued=None if self.fp4 else first)  # fmt: skip
         if cutlass.const_expr(self.fp4):
             first()
+        if cutlass.const_expr(self.wgmma and core.WG_PARK):  # A's parked words, for the async proxy of every warp's wgmma
+            self.core.park(st, s.xs, t.tid)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if cutlass.const_expr(core.WG_META_AFTER):  # warp 0 stages the slots and positions only now
+                self.stream_meta_warp(a, t, s)
         scale = self.cache_scale(a, t)
         if cutlass.const_expr(self.prologue):
             cute.arch.mbarrier_wait(s.mbn, 0)  # every quarter's sums of squares
@@ -365,6 +374,12 @@ class QkvKernel(Kernel):
                 for i in cutlass.range_constexpr(self.core.stages):
                     if GROUP * i < a.m:
                         self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+            if cutlass.const_expr(not (self.wgmma and core.WG_PARK and core.WG_META_AFTER)):
+                self.stream_meta(a, t, s)
+
+    @cute.jit
+    def stream_meta_warp(self, a, t, s):
+        if t.tid < self.meta_threads:
             self.stream_meta(a, t, s)
 
     @cute.jit
@@ -417,7 +432,43 @@ class QkvKernel(Kernel):
         refilled (separate design: bulk copies of group i + stages once every warp has read it; prologue
         design: group i + 1 normalised into the other stage after the MMAs, then a CTA barrier)."""
         groups = (a.m + (GROUP - 1)) // GROUP
-        if cutlass.const_expr(self.prologue):
+        if cutlass.const_expr(self.wgmma and core.WG_MODE == "pass"):  # one pass of N = 8 x groups tokens
+            for n in cutlass.range_constexpr(1, self.groups + 1):
+                if groups == n:
+                    for i in cutlass.range_constexpr(n):
+                        cute.arch.mbarrier_wait(s.mbx + i, 0)
+                    ds = self.core.wg_pass(st, s.xs, GROUP * n)
+                    for i in cutlass.range_constexpr(n):
+                        self.core.send_tokens(s.red, s.mbr, ds[i], i, t.rank, t.tid)
+        elif cutlass.const_expr(self.wgmma and core.WG_MODE == "first"):  # group 0 by mma.sync, then a pass
+            cute.arch.mbarrier_wait(s.mbx, 0)
+            d = self.core.canonical_partials(st, s.xs, 0, t.tid)
+            self.core.send_tokens(s.red, s.mbr, d, 0, t.rank, t.tid)
+            for n in cutlass.range_constexpr(1, self.groups):
+                if groups == n + 1:
+                    for i in cutlass.range_constexpr(1, n + 1):
+                        cute.arch.mbarrier_wait(s.mbx + i, 0)
+                    ds = self.core.wg_pass(st, s.xs, GROUP * n, 1)
+                    for i in cutlass.range_constexpr(n):
+                        self.core.send_tokens(s.red, s.mbr, ds[i], i + 1, t.rank, t.tid)
+        elif cutlass.const_expr(self.wgmma and core.WG_MODE == "mma"):  # control: mma.sync, canonical ring
+            for i in cutlass.range(groups, unroll=1):
+                cute.arch.mbarrier_wait(s.mbx + i, 0)
+                d = self.core.canonical_partials(st, s.xs, i, t.tid)
+                self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
+        elif cutlass.const_expr(self.wgmma and core.WG_MODE == "pairs"):  # passes of N = 16 (8 for the last)
+            for p in cutlass.range_constexpr(0, self.groups, 2):
+                if groups > p:
+                    cute.arch.mbarrier_wait(s.mbx + p, 0)
+                    if groups > p + 1:
+                        cute.arch.mbarrier_wait(s.mbx + p + 1, 0)
+                        ds = self.core.wg_pass(st, s.xs, 2 * GROUP, p)
+                        for i in cutlass.range_constexpr(2):
+                            self.core.send_tokens(s.red, s.mbr, ds[i], p + i, t.rank, t.tid)
+                    else:
+                        ds = self.core.wg_pass(st, s.xs, GROUP, p)
+                        self.core.send_tokens(s.red, s.mbr, ds[0], p, t.rank, t.tid)
+        elif cutlass.const_expr(self.prologue):
             for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)
                 if i + 1 < groups:  # (the other stage: read by group i - 1's MMAs, which every warp ended
