@@ -90,17 +90,21 @@ def ring_strides(weight_format: str) -> tuple[int, int, int]:
     return (HIDDEN // K_QUARTER * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
 
 
-# * the wgmma token stream (NVFP4, spec key debug_wgmma: a research build): each group's K quarter as the
-#   wgmma's canonical K-major tile (no swizzle), 64 core matrices of 8 tokens x 16 bytes; chunk 4 i + j of the
-#   quarter holds, at word t of token n's 16 bytes, MMA pair j of the 8 k that lane t reads at MMA step i
-#   (gemv_core.fp4_x_k): 8 KB a group and quarter, no pad (xn_pairs 2; row = one core-matrix row).
-WG_QUARTER = TOKEN_GROUP * K_QUARTER  # elements of a group's K quarter in the wgmma layout (8 KB)
+# * the 32-token NVFP4 kernel (two-kernel design), whose MMAs read x as wgmma operands: each group's K quarter
+#   as K-major tiles with the 128-byte swizzle, 8 atoms of 8 rows (tokens) x 128 bytes; logical 16-byte chunk
+#   4 i + j of token n's row holds, at word t, MMA pair j of the 8 k that lane t reads at MMA step i
+#   (gemv_core.fp4_x_k), stored at (chunk // 8) KB + n * 128 + ((chunk % 8) ^ n) * 16 bytes: 8 KB a group and
+#   quarter, no pad, one bulk copy (xn_pairs 2; `row`: the 128-byte row, in elements).
+WG_QUARTER = TOKEN_GROUP * K_QUARTER  # elements of a group's K quarter in that layout (8 KB)
 WG_STRIDES = (HIDDEN // K_QUARTER * WG_QUARTER, 64, WG_QUARTER)
 
 
 def wgmma_stream(qkv: dict | None) -> bool:
-    """The qkv kernel of spec `qkv` is the wgmma token stream (reads xn in the WG_STRIDES layout)."""
-    return bool(qkv and qkv.get("debug_wgmma"))
+    """The qkv kernel of spec `qkv` is the 32-token NVFP4 kernel of the two-kernel design, which reads xn in
+    the WG_STRIDES layout (docs/kernels.md §2.6)."""
+    if not qkv or qkv.get("norm", "separate") != "separate" or qkv.get("debug_mma_stream"):
+        return False  # (debug_mma_stream: a research build of the mma.sync stream for A/B runs, never served)
+    return qkv.get("weight_format") == "nvfp4" and qkv.get("max_m", 8) == 32
 
 
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
@@ -120,7 +124,8 @@ def xn_pairs(qkv: dict | None = None) -> int:
     """1 where the qkv kernel of spec `qkv` reads xn with each 8-element chunk k0 .. k0 + 7 stored in the
     order of its NVFP4 MMA pairs (k0, k0 + 4, k0 + 1, k0 + 5, .., k0 + 3, k0 + 7): the two-kernel design with
     NVFP4 weights, whose norm kernel then writes it so, once, instead of every warp of every CTA permuting
-    every fragment it reads (4 byte permutes a 16-byte load); else 0 (plain order)."""
+    every fragment it reads (4 byte permutes a 16-byte load); 2 where those pairs go to the wgmma tiles of
+    WG_STRIDES (wgmma_stream); else 0 (plain order)."""
     if qkv is None or qkv.get("norm", "separate") != "separate":
         return 0
     if wgmma_stream(qkv):

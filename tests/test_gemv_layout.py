@@ -105,6 +105,8 @@ def test_the_streams_xn_is_its_ring_layout(fmt, tile, m):
     16-byte aligned (a bulk copy's source)."""
     if m > tile:
         pytest.skip("the loader runs the smallest tile that holds M")
+    if abi.wgmma_stream(abi.qkv_spec(fmt, True, 16, 2, max_m=tile)):
+        pytest.skip("wgmma tiles: test_the_32_token_nvfp4_xn_is_wgmma_tiles")
     s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=tile))
     row = abi.stream_row(fmt)
     assert s == (32 * row, row, 8 * row) and row * 2 % 16 == 0
@@ -121,3 +123,65 @@ def test_the_streams_xn_is_its_ring_layout(fmt, tile, m):
             n = min(m - 8 * g, 8)
             assert block + n * row <= n_el  # the group's copy stays inside xn
     assert len(seen) == m * 256
+
+
+def _wg_stores(strides, t):
+    """The norm kernel's wgmma-tile stores of token t (NormKernel.store_wg): {element offset: the 8 k it
+    holds}, from the index arithmetic of its 256 threads and of their 3 shuffle rounds."""
+    group, row, quarter = strides
+    out = {}
+    for q in range(4):
+        for half in range(2):  # a warp: 32 threads of one quarter
+            lanes = range(32)
+            cq = {ln: 32 * half + ln for ln in lanes}
+            tq = {ln: (cq[ln] // 4) % 4 for ln in lanes}
+            step = {ln: (cq[ln] // 16) * 4 + ((cq[ln] % 4) ^ (tq[ln] & 2)) for ln in lanes}
+            k0 = {ln: 512 * q + 8 * cq[ln] for ln in lanes}
+            words = {ln: [(k0[ln] + j, k0[ln] + j + 4) for j in range(4)] for ln in lanes}  # MMA pairs
+            held = {ln: list(words[ln]) for ln in lanes}
+            for r in range(1, 4):  # round r: lane ^ (4 r ^ (r & 2)) sends its word t ^ r
+                for ln in lanes:
+                    src = ln ^ (4 * r ^ (r & 2))
+                    held[ln][tq[ln] ^ r] = words[src][tq[ln]]
+            for ln in lanes:
+                c, n = 4 * step[ln] + tq[ln], t % 8
+                o = (t // 8) * group + q * quarter + (c // 8) * 8 * row + n * row + ((c % 8) ^ n) * 8
+                out[o] = [k for pair in held[ln] for k in pair]
+    return out
+
+
+@needs_dsl
+@pytest.mark.parametrize("m", [17, 24, 25, 32])
+def test_the_32_token_nvfp4_xn_is_wgmma_tiles(m):
+    """The two-kernel design's 32-token NVFP4 kernel reads xn as wgmma tiles (loader.abi.WG_STRIDES,
+    docs/kernels.md §2.6), 128-byte swizzled: the norm's stores of every token are 16-byte aligned, distinct,
+    inside xn_numel, inside the token's own 128-byte lines, and each 16-byte chunk is what the MMAs read
+    there: word t of token n's chunk 4 i + j is MMA pair j of the 8 k that lane t reads at step i
+    (gemv_core.fp4_x_k), at ((4 i + j) // 8) KB + 128 n + 16 (((4 i + j) % 8) ^ n) of its group and quarter's
+    8 KB (ldmatrix reads matrix j of step i there; the wgmma's k16 slice of chain h is chunks 4 i + 2 h and
+    + 1, 32 contiguous bytes before the swizzle)."""
+    from flint_aot.kernels.gemv_core import fp4_x_k
+
+    spec = abi.qkv_spec("nvfp4", True, 16, 2, max_m=32)
+    s = abi.xn_strides(spec)
+    assert s == abi.WG_STRIDES and abi.xn_pairs(spec) == 2
+    n_el = abi.xn_numel(m, s)
+    assert n_el == -(-m // 8) * 8 * 2048
+    seen = {}
+    for t in range(m):
+        stores = _wg_stores(s, t)
+        assert len(stores) == 256
+        for o, ks in stores.items():
+            assert o % 8 == 0 and 0 <= o and o + 8 <= n_el and o not in seen
+            assert (o // 64) % 8 == t % 8  # the token's own 128-byte line (row) of the atom
+            seen[o] = ks
+    for t in range(m):
+        g, n = divmod(t, 8)
+        for q in range(4):
+            for i in range(16):
+                for j in range(4):
+                    c = 4 * i + j
+                    o = g * s[0] + q * s[2] + (c // 8) * 512 + n * 64 + ((c % 8) ^ n) * 8
+                    for lane_t in range(4):
+                        k0 = fp4_x_k(lane_t, i, 512 * q)
+                        assert seen[o][2 * lane_t : 2 * lane_t + 2] == [k0 + j, k0 + j + 4]

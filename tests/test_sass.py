@@ -172,6 +172,40 @@ def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
         assert 3 * (s + d + 1024) <= 164 * 1024, sizes
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_32_token_nvfp4_kernel_uses_one_wgmma_pass(tmp_path, arch):
+    """The two-kernel design's 32-token NVFP4 kernel (docs/kernels.md §2.6) on sm_90a: weights before the
+    wait, x by bulk copies after it; group 0 by mma.sync (x by ldmatrix from the wgmma tiles), groups 1-3 in
+    one pass of 32 wgmma (16 steps x 2 chains, N = 24) that ptxas does not serialize (one arrive, one wait;
+    it waits after every wgmma when the registers do not suffice), 8 of them with A from shared memory; the
+    fewer-group path by mma.sync; within 168 registers, no spills; three CTAs within the 196 KB carveout.
+    sm_100a has no wgmma: the same layout, every group by mma.sync (built, not run here)."""
+    from loader import abi
+
+    spec = abi.qkv_spec("nvfp4", True, 16, 2, "bf16", "separate", 32)
+    assert abi.wgmma_stream(spec) and abi.xn_pairs(spec) == 2 and abi.xn_strides(spec) == abi.WG_STRIDES
+    c, regs = _compile("qkv", spec, arch)
+    sass = _sass(c.cubin, tmp_path)
+    before, after = _split(sass, 2)
+    weights = [ln for ln in sass if re.search(r"\bLDG\..*CONSTANT", ln)]
+    assert len(weights) == 16 and all(ln in before for ln in weights)
+    bulk = [ln for ln in sass if "UBLKCP" in ln]
+    assert bulk and all(ln in after for ln in bulk)
+    assert not [ln for ln in sass if re.search(r"\bLDG\.E\.128\b", ln) and "CONSTANT" not in ln]
+    count = lambda pat: sum(bool(re.search(pat, ln)) for ln in after)  # noqa: E731
+    wgmma = count(r"\bHGMMA\.")
+    if arch == "sm_90a":
+        assert wgmma == 32 and count(r"\bHGMMA\.\S+ R\d+, R\d+, gdesc") == 24, "24 with A from registers"
+        assert count(r"WARPGROUP\.ARRIVE") == 1 and count(r"WARPGROUP\.DEPBAR") == 1, "serialized wgmma"
+        assert count(r"\bHMMA\.16816\.F32\.BF16\b") == 2 * 32  # group 0, and the loop of fewer groups
+    else:
+        assert wgmma == 0 and count(r"\bHMMA\.16816\.F32\.BF16\b") >= 32
+    assert count(r"\bLDSM\.") >= 16
+    _no_spills(sass)
+    assert regs <= 168, regs
+    assert 3 * (_static_smem(c.cubin) + c.dyn_smem + 1024) <= 196 * 1024
+
+
 def test_the_stream_asks_for_load_balanced_clusters():
     """The token stream's kernels are launched with the load-balancing cluster policy (BENCHMARKS.md §2 step
     12), the 8-token kernels with the driver's default, for which they were measured faster."""

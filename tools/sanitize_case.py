@@ -1,7 +1,8 @@
 """Fused qkv calls for compute-sanitizer (memcheck / racecheck / synccheck): both weight formats, both designs
 (the input norm in the qkv kernel's prologue, and the two-kernel design), BF16 and FP8 caches, with and
-without a residual, M = 1, 3, 8 (the 8-token tile), 16, 32, 33 and 64 (the token stream's tiles), bad slots
-among them; then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
+without a residual, M = 1, 3, 8 (the 8-token tile), 16, 20, 32, 33 and 64 (the token stream's tiles; 20
+and 32: the 32-token kernel with 3 and 4 groups, which differ in NVFP4's two-kernel design), bad slots among
+them; then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
 
     compute-sanitizer --tool racecheck --report-api-errors no python3 tools/sanitize_case.py [M ...]
         [--design separate|prologue] [--fmt bf16|nvfp4] [--no-unfused] [--bundle DIR]
@@ -29,8 +30,8 @@ ap.add_argument("--bundle", default="build/flint")
 args = ap.parse_args()
 ONLY = set(args.m)
 # (rope, heads, M) of the fused calls
-CASES = ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16), (True, (32, 4), 32),
-         (True, (16, 2), 33), (True, (32, 4), 64), (True, (16, 8), 1))  # fmt: skip
+CASES = ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16), (True, (16, 8), 20),
+         (True, (32, 4), 32), (True, (16, 2), 33), (True, (32, 4), 64), (True, (16, 8), 1))  # fmt: skip
 loader.load_bundle(args.bundle)
 for design in [args.design] if args.design else ("prologue", "separate"):
     with loader.launch_options(design=design):

@@ -119,8 +119,8 @@ PATCHES = [
     # the token stream: T2, T3 the first group's x in, each group's MMAs done (words 8 + i), T6
     (
         "flint_aot/kernels/qkv.py",
-        "            first()\n        scale = self.cache_scale(a, t)\n",
-        "            first()\n        scale = self.cache_scale(a, t)\n"
+        "            self.stream_park(a, t, s, st)\n        scale = self.cache_scale(a, t)\n",
+        "            self.stream_park(a, t, s, st)\n        scale = self.cache_scale(a, t)\n"
         f"        _tl_store(t.tid, {_T_AT.format(2)}, _tl_time(st['zero']))\n",
     ),
     (

@@ -61,8 +61,11 @@ class Kernel:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
         return {}
 
+    arch = ""  # the architecture being compiled for (set by compile, read while the kernel is traced)
+
     def compile(self, arch: str, entry_prefix: str, grid: tuple | None = None) -> Compiled:
         """The cubin for arch; grid: the manifest's grid rule (default: the built-in kind's)."""
+        self.arch = arch
         return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
                               dyn_smem=self.dyn_smem, dyn_smem_per_m=self.dyn_smem_per_m,

@@ -434,11 +434,12 @@ class CtaGemv:
         return scaled(self.fp4, st, reduce_rows(d, tid, red))
 
 
-# ----------------------------------------------------------------------------- wgmma (the wgmma token stream)
+# ----------------------------------------------------------------------------- wgmma (32-token NVFP4 stream)
 # wgmma.m64nNk16 of a warpgroup (the CTA's 4 warps, warp w the rows 16 w .. 16 w + 15) adds exactly what
 # mma.sync adds given the same A fragments, k permutation and order (benchmarks/wgmma_probe: every sum of six
-# inputs bit-identical), and reuses each A fragment for N tokens. A: this thread's mma.sync A registers or a
-# canonical K-major tile in shared memory; B (x): canonical K-major tiles, 8 tokens x 16 B core matrices.
+# inputs bit-identical; the stream's sums, tests/test_qkv_gpu.py), and reuses each A fragment for N tokens.
+# A: this thread's mma.sync A registers, or a K-major tile in shared memory (no swizzle: core matrices of 8
+# rows x 16 B); B (x): the ring's K-major tiles with the 128-byte swizzle (loader.abi.WG_STRIDES).
 WG_CORE = 128  # bytes of one core matrix
 
 
@@ -487,9 +488,8 @@ def wgmma_rs(n, acc, a, desc, one):
 
 
 def wg_desc_sw128(addr, sbo: int):
-    """A K-major matrix descriptor with the 128-byte swizzle: rows of 128 bytes, 8 rows (1 KB, 1 KB-aligned) an
-    atom, the next 8 rows (tokens) sbo bytes further; addr may point 32, 64 or 96 bytes into a row (the k16
-    slices of the atom)."""
+    """A K-major matrix descriptor with the 128-byte swizzle: rows of 128 bytes, 8 rows (1 KB, 1 KB-aligned)
+    an atom, the next 8 rows (tokens) sbo bytes further; addr + 32 j points at the atom's k16 slice j."""
     return Int64((addr >> 4) & 0x3FFF) | Int64(1 << 16) | (Int64(sbo >> 4) << 32) | (Int64(1) << 62)
 
 
@@ -500,8 +500,8 @@ def sw128_chunk(c, row):
 
 
 def wg_desc(addr, sbo: int):
-    """A no-swizzle K-major matrix descriptor: start address addr (shared, bytes), the next core matrix in k
-    WG_CORE bytes further (LBO), the next 8 rows (tokens) sbo bytes further (SBO)."""
+    """A K-major matrix descriptor without swizzle: start address addr (shared, bytes), the next core matrix
+    in k WG_CORE bytes further (LBO), the next 8 rows (tokens) sbo bytes further (SBO)."""
     return Int64((addr >> 4) & 0x3FFF) | Int64((WG_CORE >> 4) << 16) | (Int64(sbo >> 4) << 32)
 
 
@@ -537,11 +537,10 @@ PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 # group i, all 128 rows of the head from the 8 CTAs (2 halves x 4 quarters), [group][quarter][row] fp32: the
 # same bytes, so PART_BYTES holds for both
 HEAD_ROWS = 2 * WARPS * ROWS
-WG_MODE = "pass"  # research: "pass" (one wgmma pass), "first" (group 0 by mma.sync, then one pass), "mma"
-# (every group by mma.sync from the canonical ring), "pairs" (passes of N = 16)
-WG_META_AFTER = True  # research: warp 0 stages slots / positions after the park's CTA barrier
-WG_PARK = True  # research: False = no A tile in shared memory (mode "mma" only)
-WG_REG = 12  # the wgmma stream: NVFP4 words whose A fragments stay in registers (the rest: shared memory)
+# the wgmma stream: NVFP4 words whose A fragments stay in registers; the other 4 are parked in shared memory,
+# since at 3 CTAs per SM (168 registers) all 16 beside N = 24's accumulators make ptxas serialize the wgmma
+# (14 do too; 13 fit)
+WG_REG = 12
 TOKEN_WORDS = WARPS * HEAD_ROWS  # one group's buffer (words)
 
 
@@ -571,20 +570,20 @@ class StreamGemv:
         group, _, self.ring_quarter = ring_strides("nvfp4" if fp4 else "bf16")  # ring_x: xn's strides
         self.ring_quarters = group // self.ring_quarter  # (a group's quarter blocks, one after another)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
-        # the wgmma stream (NVFP4, a ring holding every group): x in the wgmma's canonical tiles (xn in
-        # loader.abi.WG_STRIDES, one 8 KB bulk copy a group), one pass of wgmma over all groups' tokens (N = 8
-        # per group) with words 0 .. WG_REG - 1 of A from registers and the rest from a canonical tile in
-        # shared memory (parked once by their threads; at 3 CTAs per SM the registers do not hold N = 32's
-        # accumulators beside all 16 words: benchmarks/wgmma_probe)
+        # the wgmma stream (NVFP4, the separate design's 32-token kernel, docs/kernels.md §2.6): x in the
+        # wgmma's swizzled K-major tiles (xn in loader.abi.WG_STRIDES), one 8 KB bulk copy a group and
+        # quarter; with 4 groups, group 0 by mma.sync (x by ldmatrix) as soon as its x lands, then groups 1-3
+        # in one wgmma pass (N = 24), A's words 0 .. WG_REG - 1 from registers, the rest from a tile in shared
+        # memory (`park`); with fewer groups every group by mma.sync
         self.wgmma = wgmma
         if wgmma:
-            assert fp4 and ring_x and paired and self.stages == self.groups, "wgmma: NVFP4, ring of every group"
+            assert fp4 and ring_x and paired and self.stages == self.groups, "wgmma: NVFP4, a ring of all"
             group, _, self.ring_quarter = WG_STRIDES
             self.ring_quarters = group // self.ring_quarter
             self.stage_bytes = GROUP * QUARTER * 2
             self.a_off = self.stages * self.stage_bytes  # A's parked words, after the ring
-            self.a_sbo = (FP4_WORDS - WG_REG) * 4 * WG_CORE  # next 8 rows of A
-            self.dyn_smem = self.a_off + (WARPS * ROWS // 8 * self.a_sbo if WG_PARK else 0)
+            self.a_sbo = (FP4_WORDS - WG_REG) * 4 * WG_CORE  # the next 8 rows of A
+            self.dyn_smem = self.a_off + WARPS * ROWS // 8 * self.a_sbo
 
     def alloc(self):
         """x ring [stage][token][xrow] bf16 (dynamic shared memory), the owners' partial sums (row owners:
@@ -625,7 +624,7 @@ class StreamGemv:
         8 i + tid)."""
         stg = i % self.stages
         n = cutlass.min(m - GROUP * i, GROUP)
-        if cutlass.const_expr(self.wgmma):  # the whole canonical tile (its rows interleave the 8 tokens)
+        if cutlass.const_expr(self.wgmma):  # the whole tile (every token's rows are spread over its 8 atoms)
             if tid == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, self.stage_bytes)
                 src = x + (i * self.ring_quarters + q) * self.ring_quarter
@@ -680,23 +679,25 @@ class StreamGemv:
         return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0, self.paired)
 
     def park(self, st, xs, tid):
-        """wgmma stream, after start: this thread's A fragments of words WG_REG .. 15 (both rows) into the
-        canonical K-major tile of A in shared memory (row r = 16 w + g (+ 8): word t of core matrix
-        4 (i - WG_REG) + j holds register j of word i, as the x tiles hold pair j of lane t's chunk). The
-        caller fences them for the async proxy and syncs the CTA before the first pass."""
+        """wgmma stream, after start: this thread's A fragments of words WG_REG .. 15 (both rows) into A's
+        tile in shared memory, K-major without swizzle: row r = 16 w + g (+ 8), word t of core matrix
+        4 (i - WG_REG) + j holds register j of word i (the k order of x's tiles). The caller fences them for
+        the async proxy and syncs the CTA before the pass."""
         warp, _, g, t = lanes(tid)
         xb = xs.toint()
         for i in range(WG_REG, FP4_WORDS):
             for h in range(2):
                 regs = st["D"][h][i]
                 for j in range(4):
-                    off = self.a_off + (2 * warp + h) * self.a_sbo + (4 * (i - WG_REG) + j) * WG_CORE + g * 16 + t * 4
+                    row = self.a_off + (2 * warp + h) * self.a_sbo + g * 16 + t * 4
+                    off = row + (4 * (i - WG_REG) + j) * WG_CORE
                     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[xb + off, regs[j]])
 
-    def canonical_partials(self, st, xs, i, tid):
-        """wgmma stream: group i's partial sums by the 8-token design's mma.sync sequence, x from its canonical
-        ring stage by ldmatrix (matrix j of step s: core matrix 4 s + j, whose row g word t is lane (g, t)'s
-        pair j of token g: fp4_mma_partials' paired fragment); A: all 16 words from registers."""
+    def ring_partials(self, st, xs, i, tid):
+        """wgmma stream: group i's partial sums by the 8-token design's mma.sync sequence (as partials), x
+        from its ring stage by ldmatrix: matrix j of step s is the 16-byte chunk 4 s + j of the 8 tokens'
+        rows, whose word t is lane t's MMA pair j (fp4_mma_partials' paired fragment); A: all 16 words from
+        registers."""
         _, lane, _, _ = lanes(tid)
         stage = xs.toint() + i * self.stage_bytes
         z = Float32(0.0)
@@ -714,9 +715,9 @@ class StreamGemv:
         return [acc[0][e] + acc[1][e] for e in range(4)]
 
     def wg_pass(self, st, xs, n: int, first: int = 0):
-        """wgmma stream: the partial sums of tokens 0 .. n - 1 (ring stages 0 .. n / 8 - 1, landed), as
-        partials' per group: [[d0, d1, d2, d3] per group]. The same two chains over the same 16 steps in
-        the same order as fp4_mma_partials (bit-identical sums)."""
+        """wgmma stream: the partial sums of the n tokens of ring stages first .. first + n / 8 - 1 (landed;
+        A's parked words fenced), as partials' per group: [[d0, d1, d2, d3] per group]. The same two chains
+        over the same 16 steps in the same order as fp4_mma_partials (bit-identical sums)."""
         z, one = Float32(0.0), Int32(1)
         xb = xs.toint()
         bdesc = wg_desc_sw128(xb + first * self.stage_bytes, self.stage_bytes)
@@ -726,8 +727,7 @@ class StreamGemv:
         D = st["D"]
         for i in range(FP4_WORDS):
             for h in range(2):
-                c0 = 4 * i + 2 * h  # (its two chunks: c0, c0 + 1 of the same row)
-                db = bdesc + Int64(((c0 // 8) * 1024 + (c0 % 8) * 16) >> 4)
+                db = bdesc + Int64(sw128_chunk(4 * i + 2 * h, 0) >> 4)  # (chunks 4 i + 2 h and + 1: 32 bytes)
                 if i >= WG_REG:
                     da = adesc + Int64(((4 * (i - WG_REG) + 2 * h) * WG_CORE) >> 4)
                     acc[h] = wgmma_ss(n, acc[h], da, db, one)

@@ -23,7 +23,6 @@ from loader.abi import HIDDEN, K_QUARTER, TOKEN_GROUP
 
 THREADS = NORM_CHUNKS  # one thread per 8-element chunk
 QUARTER_CHUNKS = K_QUARTER // NORM_VEC  # threads per K quarter of a row
-WG_NORM_FAST = False  # research: xn_pairs 2 written as 16-byte vectors to the wrong places (timing only)
 
 
 class NormKernel(Kernel):
@@ -72,11 +71,7 @@ class NormKernel(Kernel):
         # (the layout of xn: loader.abi.xn_strides; a thread's 8 elements never straddle a quarter)
         xo = ((row // TOKEN_GROUP) * xn_group + (row % TOKEN_GROUP) * xn_row
               + (tid // QUARTER_CHUNKS) * xn_quarter + (tid % QUARTER_CHUNKS) * NORM_VEC)
-        if cutlass.const_expr(WG_NORM_FAST) and xn_pairs == 2:  # research, timing only: wrong places
-            wo = ((row // TOKEN_GROUP) * xn_group + (row % TOKEN_GROUP) * 512
-                  + (tid // QUARTER_CHUNKS) * xn_quarter + (tid % QUARTER_CHUNKS) * NORM_VEC)
-            device.store_vec(xn + cute.assume(wo, divby=NORM_VEC), device.mma_pairs(y), NORM_VEC)
-        elif xn_pairs == 2:  # the wgmma stream's 128-byte swizzled tiles (loader.abi.WG_STRIDES)
+        if xn_pairs == 2:  # the wgmma stream's 128-byte swizzled tiles (loader.abi.WG_STRIDES)
             self.store_wg(xn, y, row, tid, xn_group, xn_row, xn_quarter)
         elif xn_pairs != 0:  # (loader.abi.xn_pairs: the NVFP4 qkv kernel's MMA pair order)
             device.store_vec(xn + cute.assume(xo, divby=NORM_VEC), device.mma_pairs(y), NORM_VEC)
@@ -86,12 +81,14 @@ class NormKernel(Kernel):
             device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)
 
     def store_wg(self, xn, y, row, tid, xn_group, xn_row, xn_quarter):
-        """xn in the wgmma stream's layout (loader.abi.WG_STRIDES): this thread's chunk (k0 = 512 q + 128 c +
-        32 t + 8 u') is what lane t of a quad reads at MMA step i = 4 c + (u' ^ (t & 2)); its MMA pair j goes to
-        word t of the step's logical 16-byte chunk 4 i + j of the token's row. The 4 threads of one step (t =
-        0..3, lanes 4 t + (u ^ (t & 2)) of a 16-lane half) swap words by 3 butterfly shuffles (round r: lane ^
-        (4 r ^ (r & 2)), which holds t ^ r), so that thread t writes chunk 4 i + t whole: 16 bytes at
-        (chunk // 8) * 1 KB + token * 128 + ((chunk % 8) ^ token) * 16 (the 128-byte swizzle)."""
+        """xn in the wgmma stream's layout (loader.abi.WG_STRIDES). This thread's chunk (k0 = 512 q + 128 c +
+        32 t + 8 u') is what lane t of a quad reads at MMA step i = 4 c + (u' ^ (t & 2)); its MMA pair j goes
+        to word t of the step's logical 16-byte chunk 4 i + j of the token's row. The 4 threads of a step
+        (lanes 4 t + (u ^ (t & 2)) of a 16-lane half) swap words by 3 butterfly shuffles (round r: lane ^
+        (4 r ^ (r & 2)), the thread of t ^ r), so that thread t writes chunk 4 i + t whole, 16 bytes at
+        (chunk // 8) KB + token * 128 + ((chunk % 8) ^ token) * 16 bytes: every 128-byte line is one token's
+        (written as 4 bytes into lines shared by 8 tokens' CTAs, xn cost 0.3-0.55 us a layer more,
+        BENCHMARKS.md §2 step 20)."""
         cq = tid % QUARTER_CHUNKS
         tq = (cq // 4) % 4
         i = (cq // 16) * 4 + ((cq % 4) ^ (tq & 2))
@@ -109,8 +106,8 @@ class NormKernel(Kernel):
                 out[j] = cutlass.select_((tq ^ r) == j, got, out[j])
         c = 4 * i + tq
         n = row % TOKEN_GROUP
-        off = ((row // TOKEN_GROUP) * xn_group + (tid // QUARTER_CHUNKS) * xn_quarter + (c // 8) * (8 * xn_row)
-               + n * xn_row + ((c % 8) ^ n) * NORM_VEC)
+        block = (row // TOKEN_GROUP) * xn_group + (tid // QUARTER_CHUNKS) * xn_quarter
+        off = block + (c // 8) * (TOKEN_GROUP * xn_row) + n * xn_row + ((c % 8) ^ n) * NORM_VEC
         o = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         for j in range(4):
             o[j] = out[j]

@@ -85,7 +85,7 @@ class QkvKernel(Kernel):
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
             # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
             sep = not self.prologue
-            self.wgmma = wgmma_stream(spec)  # (a research build: loader.abi.wgmma_stream)
+            self.wgmma = wgmma_stream(spec)  # NVFP4's 32-token kernel (docs/kernels.md §2.6)
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
                                         ring_x=sep, token_owners=True, paired=self.paired,
                                         wgmma=self.wgmma)  # fmt: skip
@@ -299,12 +299,8 @@ class QkvKernel(Kernel):
                              issued=None if self.fp4 else first)  # fmt: skip
         if cutlass.const_expr(self.fp4):
             first()
-        if cutlass.const_expr(self.wgmma and core.WG_PARK):  # A's parked words, for the async proxy of every warp's wgmma
-            self.core.park(st, s.xs, t.tid)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            if cutlass.const_expr(core.WG_META_AFTER):  # warp 0 stages the slots and positions only now
-                self.stream_meta_warp(a, t, s)
+        if cutlass.const_expr(self.wgmma):
+            self.stream_park(a, t, s, st)
         scale = self.cache_scale(a, t)
         if cutlass.const_expr(self.prologue):
             cute.arch.mbarrier_wait(s.mbn, 0)  # every quarter's sums of squares
@@ -374,11 +370,20 @@ class QkvKernel(Kernel):
                 for i in cutlass.range_constexpr(self.core.stages):
                     if GROUP * i < a.m:
                         self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
-            if cutlass.const_expr(not (self.wgmma and core.WG_PARK and core.WG_META_AFTER)):
+            if cutlass.const_expr(not self.wgmma):  # (wgmma: after the park, stream_park)
                 self.stream_meta(a, t, s)
 
     @cute.jit
-    def stream_meta_warp(self, a, t, s):
+    def stream_park(self, a, t, s, st):
+        """The wgmma stream, once the weights are decoded: with 4 groups, A's parked words
+        (gemv_core.StreamGemv.park) fenced for the wgmma's async proxy, and a CTA barrier; then warp 0 stages
+        the slots and positions (after the barrier: its loads would hold the other warps there, 0.1 us a
+        layer, BENCHMARKS.md §2 step 20)."""
+        if cutlass.const_expr(self.arch == "sm_90a"):  # (wgmma: sm_90a only; sm_100a runs mma.sync)
+            if (a.m + (GROUP - 1)) // GROUP == self.groups:
+                self.core.park(st, s.xs, t.tid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
         if t.tid < self.meta_threads:
             self.stream_meta(a, t, s)
 
@@ -432,42 +437,20 @@ class QkvKernel(Kernel):
         refilled (separate design: bulk copies of group i + stages once every warp has read it; prologue
         design: group i + 1 normalised into the other stage after the MMAs, then a CTA barrier)."""
         groups = (a.m + (GROUP - 1)) // GROUP
-        if cutlass.const_expr(self.wgmma and core.WG_MODE == "pass"):  # one pass of N = 8 x groups tokens
-            for n in cutlass.range_constexpr(1, self.groups + 1):
-                if groups == n:
-                    for i in cutlass.range_constexpr(n):
-                        cute.arch.mbarrier_wait(s.mbx + i, 0)
-                    ds = self.core.wg_pass(st, s.xs, GROUP * n)
-                    for i in cutlass.range_constexpr(n):
-                        self.core.send_tokens(s.red, s.mbr, ds[i], i, t.rank, t.tid)
-        elif cutlass.const_expr(self.wgmma and core.WG_MODE == "first"):  # group 0 by mma.sync, then a pass
-            cute.arch.mbarrier_wait(s.mbx, 0)
-            d = self.core.canonical_partials(st, s.xs, 0, t.tid)
-            self.core.send_tokens(s.red, s.mbr, d, 0, t.rank, t.tid)
-            for n in cutlass.range_constexpr(1, self.groups):
-                if groups == n + 1:
-                    for i in cutlass.range_constexpr(1, n + 1):
-                        cute.arch.mbarrier_wait(s.mbx + i, 0)
-                    ds = self.core.wg_pass(st, s.xs, GROUP * n, 1)
-                    for i in cutlass.range_constexpr(n):
-                        self.core.send_tokens(s.red, s.mbr, ds[i], i + 1, t.rank, t.tid)
-        elif cutlass.const_expr(self.wgmma and core.WG_MODE == "mma"):  # control: mma.sync, canonical ring
-            for i in cutlass.range(groups, unroll=1):
-                cute.arch.mbarrier_wait(s.mbx + i, 0)
-                d = self.core.canonical_partials(st, s.xs, i, t.tid)
-                self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
-        elif cutlass.const_expr(self.wgmma and core.WG_MODE == "pairs"):  # passes of N = 16 (8 for the last)
-            for p in cutlass.range_constexpr(0, self.groups, 2):
-                if groups > p:
-                    cute.arch.mbarrier_wait(s.mbx + p, 0)
-                    if groups > p + 1:
-                        cute.arch.mbarrier_wait(s.mbx + p + 1, 0)
-                        ds = self.core.wg_pass(st, s.xs, 2 * GROUP, p)
-                        for i in cutlass.range_constexpr(2):
-                            self.core.send_tokens(s.red, s.mbr, ds[i], p + i, t.rank, t.tid)
-                    else:
-                        ds = self.core.wg_pass(st, s.xs, GROUP, p)
-                        self.core.send_tokens(s.red, s.mbr, ds[0], p, t.rank, t.tid)
+        if cutlass.const_expr(self.wgmma and self.arch == "sm_90a"):  # (docs/kernels.md §2.6)
+            if groups == self.groups:  # group 0 as soon as its x lands, then the other 3 in one wgmma pass
+                cute.arch.mbarrier_wait(s.mbx, 0)
+                d = self.core.ring_partials(st, s.xs, 0, t.tid)
+                self.core.send_tokens(s.red, s.mbr, d, 0, t.rank, t.tid)
+                for i in cutlass.range_constexpr(1, self.groups):
+                    cute.arch.mbarrier_wait(s.mbx + i, 0)
+                ds = self.core.wg_pass(st, s.xs, GROUP * (self.groups - 1), 1)
+                for i in cutlass.range_constexpr(1, self.groups):
+                    self.core.send_tokens(s.red, s.mbr, ds[i - 1], i, t.rank, t.tid)
+            else:  # (N = 8 or 16 reuses A too little for the pass to pay: BENCHMARKS.md §2 step 20)
+                self.ring_groups(t, s, st, groups)
+        elif cutlass.const_expr(self.wgmma):  # sm_100a has no wgmma: the same tiles, every group by mma.sync
+            self.ring_groups(t, s, st, groups)
         elif cutlass.const_expr(self.prologue):
             for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)
@@ -481,6 +464,14 @@ class QkvKernel(Kernel):
                 if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
                     self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
                 self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
+
+    @cute.jit
+    def ring_groups(self, t, s, st, groups):
+        """The wgmma stream's groups one after another by mma.sync, x by ldmatrix from the ring's tiles."""
+        for i in cutlass.range(groups, unroll=1):
+            cute.arch.mbarrier_wait(s.mbx + i, 0)
+            d = self.core.ring_partials(st, s.xs, i, t.tid)
+            self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
     def stream_epilogue(self, a, t, s, st, scale):
