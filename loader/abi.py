@@ -90,7 +90,7 @@ def ring_strides(weight_format: str) -> tuple[int, int, int]:
     return (HIDDEN // K_QUARTER * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
 
 
-# * the NVFP4 token stream (two-kernel design), whose MMAs read x as wgmma operands: each group's K quarter
+# * the 32-token NVFP4 kernel (two-kernel design), whose MMAs read x as wgmma operands: each group's K quarter
 #   as K-major tiles with the 128-byte swizzle, 8 atoms of 8 rows (tokens) x 128 bytes; logical 16-byte chunk
 #   4 i + j of token n's row holds, at word t, MMA pair j of the 8 k that lane t reads at MMA step i
 #   (gemv_core.fp4_x_k), stored at (chunk // 8) KB + n * 128 + ((chunk % 8) ^ n) * 16 bytes: 8 KB a group and
@@ -99,12 +99,12 @@ WG_QUARTER = TOKEN_GROUP * K_QUARTER  # elements of a group's K quarter in that 
 WG_STRIDES = (HIDDEN // K_QUARTER * WG_QUARTER, 64, WG_QUARTER)
 
 
-def wgmma_tiles(qkv: dict | None) -> bool:
-    """The qkv kernel of spec `qkv` reads xn in the WG_STRIDES layout: the NVFP4 token stream (16, 32 and 64
-    tokens) of the two-kernel design (docs/kernels.md §2.6)."""
+def wgmma_stream(qkv: dict | None) -> bool:
+    """The qkv kernel of spec `qkv` is the 32-token NVFP4 kernel of the two-kernel design, which reads xn in
+    the WG_STRIDES layout (docs/kernels.md §2.6)."""
     if not qkv or qkv.get("norm", "separate") != "separate" or qkv.get("debug_mma_stream"):
         return False  # (debug_mma_stream: a research build of the mma.sync stream for A/B runs, never served)
-    return qkv.get("weight_format") == "nvfp4" and qkv.get("max_m", 8) > TOKEN_GROUP
+    return qkv.get("weight_format") == "nvfp4" and qkv.get("max_m", 8) == 32
 
 
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
@@ -112,7 +112,7 @@ def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
     ops' output, plain rows; the prologue design reads none)."""
     if qkv is None or qkv.get("norm", "separate") != "separate":
         return ROW_MAJOR
-    if wgmma_tiles(qkv):
+    if wgmma_stream(qkv):
         return WG_STRIDES
     if qkv.get("max_m", 8) <= TOKEN_GROUP:
         r = tile8_row(qkv["weight_format"])
@@ -125,10 +125,10 @@ def xn_pairs(qkv: dict | None = None) -> int:
     order of its NVFP4 MMA pairs (k0, k0 + 4, k0 + 1, k0 + 5, .., k0 + 3, k0 + 7): the two-kernel design with
     NVFP4 weights, whose norm kernel then writes it so, once, instead of every warp of every CTA permuting
     every fragment it reads (4 byte permutes a 16-byte load); 2 where those pairs go to the wgmma tiles of
-    WG_STRIDES (wgmma_tiles); else 0 (plain order)."""
+    WG_STRIDES (wgmma_stream); else 0 (plain order)."""
     if qkv is None or qkv.get("norm", "separate") != "separate":
         return 0
-    if wgmma_tiles(qkv):
+    if wgmma_stream(qkv):
         return 2
     return int(qkv["weight_format"] == "nvfp4")
 

@@ -20,8 +20,8 @@ MANIFEST_NAME = "manifest.json"
 # in the layout its qkv kernel reads (loader.abi.xn_strides), so a loader and a bundle of different layouts
 # must never meet: a bundle of 2 would run with wrong results, and is refused with the fix instead; 4: for
 # an NVFP4 qkv kernel the norm kernel writes each 8 elements of xn in the MMA pair order (loader.abi.xn_pairs,
-# a norm kernel parameter), which that qkv kernel no longer makes itself; 5: the NVFP4 token stream of the
-# two-kernel design reads xn as wgmma tiles (loader.abi.WG_STRIDES, xn_pairs 2)
+# a norm kernel parameter), which that qkv kernel no longer makes itself; 5: the 32-token NVFP4 qkv kernel of
+# the two-kernel design reads xn as wgmma tiles (loader.abi.WG_STRIDES, xn_pairs 2)
 SCHEMA_VERSION = 5
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")

@@ -57,12 +57,6 @@ def _compile(kind, spec, arch):
     return c, k.registers
 
 
-def abi_tiles(spec):
-    from loader import abi
-
-    return abi.wgmma_tiles(spec)
-
-
 def _no_spills(sass):
     assert not any(re.search(r"\b(STL|LDL)\b", ln) for ln in sass), "local memory (spills)"
 
@@ -109,11 +103,8 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
     bulk = [ln for ln in sass if "UBLKCP" in ln]
     # one group's MMAs: the 8-token kernels' (straight-line), the stream's loop body (a loop at run time)
     assert sum(bool(re.search(r"\bHMMA\.16816\.F32\.BF16\b", ln)) for ln in after) == 32
-    if kind == "qkv" or tile > 8:  # x fragments from shared memory (NVFP4's two-kernel stream: wgmma tiles,
-        # by ldmatrix)
-        tiles = kind == "qkv" and abi_tiles(_spec(kind, fmt, kv, norm, tile))
-        lds = r"\bLDSM\." if tiles else r"\bLDS\.128\b"
-        assert sum(bool(re.search(lds, ln)) for ln in after) >= 16
+    if kind == "qkv" or tile > 8:  # x fragments from shared memory
+        assert sum(bool(re.search(r"\bLDS\.128\b", ln)) for ln in after) >= 16
     if tile > 8:  # the token stream: each group's partial sums to their owners, 2 x 8 bytes per thread
         assert sum(bool(re.search(r"\bSTAS\.64\b", ln)) for ln in after) >= 2
         if norm != "prologue":  # bulk copies of the groups' K quarters (and RoPE coefficients), after the
@@ -192,7 +183,7 @@ def test_the_32_token_nvfp4_kernel_uses_one_wgmma_pass(tmp_path, arch):
     from loader import abi
 
     spec = abi.qkv_spec("nvfp4", True, 16, 2, "bf16", "separate", 32)
-    assert abi.wgmma_tiles(spec) and abi.xn_pairs(spec) == 2 and abi.xn_strides(spec) == abi.WG_STRIDES
+    assert abi.wgmma_stream(spec) and abi.xn_pairs(spec) == 2 and abi.xn_strides(spec) == abi.WG_STRIDES
     c, regs = _compile("qkv", spec, arch)
     sass = _sass(c.cubin, tmp_path)
     before, after = _split(sass, 2)

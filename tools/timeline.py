@@ -123,15 +123,15 @@ PATCHES = [
         "            self.stream_park(a, t, s, st)\n        scale = self.cache_scale(a, t)\n"
         f"        _tl_store(t.tid, {_T_AT.format(2)}, _tl_time(st['zero']))\n",
     ),
-    (  # (the stage waited for here, then again, at once, inside group_partials)
+    (
         "flint_aot/kernels/qkv.py",
-        "            d = self.core.group_partials(st, s.xs, s.mbx, i, a.m, t.tid)\n",
-        "            if i == 0:\n"
-        "                cute.arch.mbarrier_wait(s.mbx, 0)\n"
-        f"                _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
-        "            cute.arch.mbarrier_wait(s.mbx + i % self.core.stages, (i // self.core.stages) % 2)\n"
-        f"            _tl_store(t.tid, {_T_AT.format('16 + i')}, _tl_time(a.m >> 31))\n"
-        "            d = self.core.group_partials(st, s.xs, s.mbx, i, a.m, t.tid)\n" + _GROUP_END[4:],
+        "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)\n",
+        "                if i == 0:\n"
+        "                    cute.arch.mbarrier_wait(s.mbx, 0)\n"
+        f"                    _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
+        "                xi = self.core.stage(s.xs, s.mbx, i)\n"
+        f"                _tl_store(t.tid, {_T_AT.format('16 + i')}, _tl_time(a.m >> 31))\n"
+        "                d = self.core.partials(st, xi, i, a.m, t.tid)\n" + _GROUP_END,
     ),
     (
         "flint_aot/kernels/qkv.py",

@@ -552,7 +552,7 @@ class StreamGemv:
     decides the order (docs/kernels.md §2.5)."""
 
     def __init__(self, fp4: bool, tile: int, pre: int, stages: int = STAGES, read_barriers: bool = False,
-                 ring_x: bool = False, token_owners: bool = False, paired: bool = False, tiles: bool = False):
+                 ring_x: bool = False, token_owners: bool = False, paired: bool = False, wgmma: bool = False):
         self.fp4, self.tile, self.pre = fp4, tile, pre
         self.paired = paired  # x in the NVFP4 MMA pair order (fp4_mma_partials)
         # partial sums to the owner of each token (send_tokens, the fused kernel) or of each row block (send)
@@ -570,21 +570,18 @@ class StreamGemv:
         group, _, self.ring_quarter = ring_strides("nvfp4" if fp4 else "bf16")  # ring_x: xn's strides
         self.ring_quarters = group // self.ring_quarter  # (a group's quarter blocks, one after another)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
-        # x as wgmma tiles (NVFP4, the fused kernel's two-kernel design, docs/kernels.md §2.6): each stage
-        # a group's K quarter as the wgmma's swizzled K-major tiles (xn in loader.abi.WG_STRIDES), one 8 KB
-        # bulk copy, its fragments read by ldmatrix (ring_partials); where the ring holds 4 groups (the
-        # 32-token kernel) also the wgmma pass over groups 1-3 (wg_pass), A's words WG_REG .. 15 parked in
-        # shared memory after the ring (`park`)
-        self.tiles = tiles
-        self.wg_pass_ok = tiles and self.stages == self.groups == 4
-        if tiles:
-            assert fp4 and ring_x and paired, "x as wgmma tiles: NVFP4 in the ring layout, paired"
+        # the wgmma stream (NVFP4, the separate design's 32-token kernel, docs/kernels.md §2.6): x in the
+        # wgmma's swizzled K-major tiles (xn in loader.abi.WG_STRIDES), one 8 KB bulk copy a group and
+        # quarter; with 4 groups, group 0 by mma.sync (x by ldmatrix) as soon as its x lands, then groups 1-3
+        # in one wgmma pass (N = 24), A's words 0 .. WG_REG - 1 from registers, the rest from a tile in shared
+        # memory (`park`); with fewer groups every group by mma.sync
+        self.wgmma = wgmma
+        if wgmma:
+            assert fp4 and ring_x and paired and self.stages == self.groups, "wgmma: NVFP4, a ring of all"
             group, _, self.ring_quarter = WG_STRIDES
             self.ring_quarters = group // self.ring_quarter
             self.stage_bytes = GROUP * QUARTER * 2
-            self.dyn_smem = self.stages * self.stage_bytes
-        if self.wg_pass_ok:
-            self.a_off = self.dyn_smem  # A's parked words, after the ring
+            self.a_off = self.stages * self.stage_bytes  # A's parked words, after the ring
             self.a_sbo = (FP4_WORDS - WG_REG) * 4 * WG_CORE  # the next 8 rows of A
             self.dyn_smem = self.a_off + WARPS * ROWS // 8 * self.a_sbo
 
@@ -593,7 +590,7 @@ class StreamGemv:
         [group][quarter][row][token], token owners: [group][quarter][row]) fp32, one mbarrier per stage (its
         x copies landed; where stages are refilled, a second: every warp is done with it) and one per group
         (partial sums)."""
-        xs = cute.arch.get_dyn_smem(BFloat16, alignment=1024 if self.tiles else 128)
+        xs = cute.arch.get_dyn_smem(BFloat16, alignment=1024 if self.wgmma else 128)
         red = cute.arch.alloc_smem(Float32, self.groups * self.part_words, alignment=16)
         mbx = cute.arch.alloc_smem(Int64, (2 if self.refills else 1) * self.stages, alignment=8)
         mbr = cute.arch.alloc_smem(Int64, self.groups, alignment=8)
@@ -627,7 +624,7 @@ class StreamGemv:
         8 i + tid)."""
         stg = i % self.stages
         n = cutlass.min(m - GROUP * i, GROUP)
-        if cutlass.const_expr(self.tiles):  # the whole tile (every token's rows are spread over its 8 atoms)
+        if cutlass.const_expr(self.wgmma):  # the whole tile (every token's rows are spread over its 8 atoms)
             if tid == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, self.stage_bytes)
                 src = x + (i * self.ring_quarters + q) * self.ring_quarter
@@ -681,14 +678,6 @@ class StreamGemv:
         _, _, g, _ = lanes(tid)
         return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0, self.paired)
 
-    def group_partials(self, st, xs, mbx, i, m, tid):
-        """Group i's partial sums once its ring stage has landed: partials, or ring_partials where x arrives
-        as wgmma tiles."""
-        if cutlass.const_expr(self.tiles):
-            cute.arch.mbarrier_wait(mbx + i % self.stages, (i // self.stages) % 2)
-            return self.ring_partials(st, xs, i % self.stages, tid)
-        return self.partials(st, self.stage(xs, mbx, i), i, m, tid)
-
     def park(self, st, xs, tid):
         """wgmma stream, after start: this thread's A fragments of words WG_REG .. 15 (both rows) into A's
         tile in shared memory, K-major without swizzle: row r = 16 w + g (+ 8), word t of core matrix
@@ -704,13 +693,13 @@ class StreamGemv:
                     off = row + (4 * (i - WG_REG) + j) * WG_CORE
                     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[xb + off, regs[j]])
 
-    def ring_partials(self, st, xs, stg, tid):
-        """x as wgmma tiles: the partial sums of the group in ring stage stg by the 8-token design's
-        mma.sync sequence (as partials), x by ldmatrix: matrix j of step s is the 16-byte chunk 4 s + j of the
-        8 tokens' rows, whose word t is lane t's MMA pair j (fp4_mma_partials' paired fragment); A: all 16
-        words from registers."""
+    def ring_partials(self, st, xs, i, tid):
+        """wgmma stream: group i's partial sums by the 8-token design's mma.sync sequence (as partials), x
+        from its ring stage by ldmatrix: matrix j of step s is the 16-byte chunk 4 s + j of the 8 tokens'
+        rows, whose word t is lane t's MMA pair j (fp4_mma_partials' paired fragment); A: all 16 words from
+        registers."""
         _, lane, _, _ = lanes(tid)
-        stage = xs.toint() + stg * self.stage_bytes
+        stage = xs.toint() + i * self.stage_bytes
         z = Float32(0.0)
         acc = [[z, z, z, z], [z, z, z, z]]
         D = st["D"]

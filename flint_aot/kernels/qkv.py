@@ -50,7 +50,7 @@ from flint_aot.kernels import device
 from flint_aot.kernels import gemv_core as core
 from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.device import NORM_VEC
-from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, wgmma_tiles, xn_pairs
+from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, wgmma_stream, xn_pairs
 
 R = core.ROWS
 ROPE_ROW_BYTES = HEAD_DIM * 4  # one position's cos|sin row of the fp32 table
@@ -76,7 +76,7 @@ class QkvKernel(Kernel):
         # no warp permutes its x fragments (4 byte permutes a 16-byte load: 0.14-1.1 us a layer at M = 12-64)
         self.paired = bool(xn_pairs(spec))
         self.streamed = self.tile > GROUP  # the token stream (docs/kernels.md §2.5)
-        self.tiles = self.wgmma = False
+        self.wgmma = False
         if self.streamed:
             # (the prologue design fills its ring itself, one group ahead: 2 stages.) The 32-token kernel's
             # ring holds all 4 of its groups: its 3 CTAs still fit the 164 KB carveout, and every group's x is
@@ -85,11 +85,10 @@ class QkvKernel(Kernel):
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
             # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
             sep = not self.prologue
-            self.tiles = wgmma_tiles(spec)  # NVFP4: x as wgmma tiles (docs/kernels.md §2.6)
+            self.wgmma = wgmma_stream(spec)  # NVFP4's 32-token kernel (docs/kernels.md §2.6)
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
                                         ring_x=sep, token_owners=True, paired=self.paired,
-                                        tiles=self.tiles)  # fmt: skip
-            self.wgmma = self.core.wg_pass_ok  # the 32-token kernel: groups 1-3 in one wgmma pass (sm_90a)
+                                        wgmma=self.wgmma)  # fmt: skip
             self.dyn_smem = self.core.dyn_smem
             self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave
             # the hardware may place a cluster's CTAs as it balances the SMs: 0.1-0.7 us faster on nearly
@@ -300,7 +299,7 @@ class QkvKernel(Kernel):
                              issued=None if self.fp4 else first)  # fmt: skip
         if cutlass.const_expr(self.fp4):
             first()
-        if cutlass.const_expr(self.tiles):
+        if cutlass.const_expr(self.wgmma):
             self.stream_park(a, t, s, st)
         scale = self.cache_scale(a, t)
         if cutlass.const_expr(self.prologue):
@@ -371,16 +370,16 @@ class QkvKernel(Kernel):
                 for i in cutlass.range_constexpr(self.core.stages):
                     if GROUP * i < a.m:
                         self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
-            if cutlass.const_expr(not self.tiles):  # (x as wgmma tiles: after the park, stream_park)
+            if cutlass.const_expr(not self.wgmma):  # (wgmma: after the park, stream_park)
                 self.stream_meta(a, t, s)
 
     @cute.jit
     def stream_park(self, a, t, s, st):
-        """x as wgmma tiles, once the weights are decoded: in the 32-token kernel with 4 groups, A's
-        parked words (gemv_core.StreamGemv.park) fenced for the wgmma's async proxy, and a CTA barrier; then
-        warp 0 stages the slots and positions (after the barrier: its loads would hold the other warps there,
-        0.1 us a layer, BENCHMARKS.md §2 step 20)."""
-        if cutlass.const_expr(self.wgmma and self.arch == "sm_90a"):  # (sm_100a has no wgmma)
+        """The wgmma stream, once the weights are decoded: with 4 groups, A's parked words
+        (gemv_core.StreamGemv.park) fenced for the wgmma's async proxy, and a CTA barrier; then warp 0 stages
+        the slots and positions (after the barrier: its loads would hold the other warps there, 0.1 us a
+        layer, BENCHMARKS.md §2 step 20)."""
+        if cutlass.const_expr(self.arch == "sm_90a"):  # (wgmma: sm_90a only; sm_100a runs mma.sync)
             if (a.m + (GROUP - 1)) // GROUP == self.groups:
                 self.core.park(st, s.xs, t.tid)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -441,7 +440,7 @@ class QkvKernel(Kernel):
         if cutlass.const_expr(self.wgmma and self.arch == "sm_90a"):  # (docs/kernels.md §2.6)
             if groups == self.groups:  # group 0 as soon as its x lands, then the other 3 in one wgmma pass
                 cute.arch.mbarrier_wait(s.mbx, 0)
-                d = self.core.ring_partials(st, s.xs, 0, t.tid)  # (stage 0)
+                d = self.core.ring_partials(st, s.xs, 0, t.tid)
                 self.core.send_tokens(s.red, s.mbr, d, 0, t.rank, t.tid)
                 for i in cutlass.range_constexpr(1, self.groups):
                     cute.arch.mbarrier_wait(s.mbx + i, 0)
@@ -449,7 +448,9 @@ class QkvKernel(Kernel):
                 for i in cutlass.range_constexpr(1, self.groups):
                     self.core.send_tokens(s.red, s.mbr, ds[i - 1], i, t.rank, t.tid)
             else:  # (N = 8 or 16 reuses A too little for the pass to pay: BENCHMARKS.md §2 step 20)
-                self.stream_groups(a, t, s, st, q, groups)
+                self.ring_groups(t, s, st, groups)
+        elif cutlass.const_expr(self.wgmma):  # sm_100a has no wgmma: the same tiles, every group by mma.sync
+            self.ring_groups(t, s, st, groups)
         elif cutlass.const_expr(self.prologue):
             for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)
@@ -458,15 +459,18 @@ class QkvKernel(Kernel):
                 cute.arch.sync_threads()
                 self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
         else:
-            self.stream_groups(a, t, s, st, q, groups)
+            for i in cutlass.range(groups, unroll=1):  # (one copy of the loop: ptxas unrolled tile 16's 3x)
+                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i), i, a.m, t.tid)
+                if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
+                    self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+                self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
-    def stream_groups(self, a, t, s, st, q, groups):
-        """The separate design's groups one after another (the stage refilled, the sums sent)."""
-        for i in cutlass.range(groups, unroll=1):  # (one copy of the loop: ptxas unrolled tile 16's 3x)
-            d = self.core.group_partials(st, s.xs, s.mbx, i, a.m, t.tid)
-            if i + self.core.stages < groups:  # (never at tiles 16 and 32: their rings hold every group)
-                self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+    def ring_groups(self, t, s, st, groups):
+        """The wgmma stream's groups one after another by mma.sync, x by ldmatrix from the ring's tiles."""
+        for i in cutlass.range(groups, unroll=1):
+            cute.arch.mbarrier_wait(s.mbx + i, 0)
+            d = self.core.ring_partials(st, s.xs, i, t.tid)
             self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
