@@ -149,14 +149,15 @@ def test_bad_arguments_raise_before_launch(gpu_bundle):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("m,tile", [(1, 8), (5, 8), (8, 8), (1, 64), (9, 16), (13, 16), (16, 16), (40, 64),
-                                    (64, 64)])  # fmt: skip
+@pytest.mark.parametrize("m,tile", [(1, 8), (5, 8), (8, 8), (1, 64), (9, 16), (13, 16), (16, 16), (17, 32),
+                                    (32, 32), (40, 64), (64, 64)])  # fmt: skip
 def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     """The norm kernel writing the layout a two-kernel qkv kernel reads (loader.abi.xn_strides: the 8-token
     kernels' padded rows, the token stream's ring; loader.abi.xn_pairs: for NVFP4 each 8 elements in the
-    MMA pair order k0, k0 + 4, k0 + 1, k0 + 5, ..), launched by name into a NaN-poisoned buffer with guard
-    bands: every token's values land at their offsets with the bits of the op's plain-row xn; the pads, the
-    rows of tokens past M in the ring's last group and the guard bands stay NaN."""
+    MMA pair order k0, k0 + 4, k0 + 1, k0 + 5, .., and for the 32-token NVFP4 kernel those pairs in the
+    wgmma tiles of loader.abi.WG_STRIDES), launched by name into a NaN-poisoned buffer with guard bands:
+    every token's values land at their offsets with the bits of the op's plain-row xn; the pads, the rows of
+    tokens past M in the ring's last group and the guard bands stay NaN."""
     import loader
     from loader import abi
 
@@ -164,7 +165,7 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     want, want_res = loader.fused_add_rms_norm(x, r, w, 1e-6)
     spec = abi.qkv_spec(fmt, True, 16, 2, max_m=tile)
     s, pairs = abi.xn_strides(spec), abi.xn_pairs(spec)
-    assert pairs == (fmt == "nvfp4")
+    assert pairs == (0 if fmt == "bf16" else 2 if tile == 32 else 1)
     n, guard = abi.xn_numel(m, s), 4096
     buf = torch.full((n + 2 * guard,), float("nan"), device="cuda").bfloat16()
     res_out = torch.full_like(x, float("nan"))
@@ -178,6 +179,13 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     j = k % 8  # k's slot in its chunk: plain, or the pair order (k0 + j at 2 j, k0 + 4 + j at 2 j + 1)
     slot = torch.where(j < 4, 2 * j, 2 * (j - 4) + 1) if pairs else j
     off = guard + (t // 8) * s[0] + (t % 8) * s[1] + (k // 512) * s[2] + (k % 512 - j + slot)
+    if pairs == 2:  # k's 16-byte chunk cq of its quarter is lane tq's at MMA step i; pair j % 4 of it goes to
+        # word tq of logical chunk 4 i + j % 4 of token n's row, swizzled (docs/kernels.md §2.6)
+        cq, n = k % 512 // 8, t % 8
+        tq = cq // 4 % 4
+        c = 4 * (cq // 16 * 4 + (cq % 4 ^ tq & 2)) + j % 4
+        within = c // 8 * 512 + n * 64 + (c % 8 ^ n) * 8 + tq * 2 + j // 4
+        off = guard + (t // 8) * s[0] + (k // 512) * s[2] + within
     assert torch.equal(buf[off], want), "a value not at its layout's offset"
     rest = torch.ones_like(buf, dtype=torch.bool)
     rest[off.flatten()] = False
