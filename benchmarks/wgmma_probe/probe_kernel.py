@@ -33,11 +33,23 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 
 from flint_aot import Kernel
 from flint_aot.kernels.device import lanes
-from flint_aot.kernels.gemv_core import SharedX, as_f32, as_i32, ld_act, ld_shared, ld_weight, mma_partials
+from flint_aot.kernels.gemv_core import (
+    SharedX,
+    as_f32,
+    as_i32,
+    ld_act,
+    ld_shared,
+    ld_weight,
+    mma_partials,
+    wg_desc,
+    wg_fence,
+    wg_wait,
+    wgmma_rs,
+    wgmma_ss,
+)
 
 KQ = 512  # k per CTA (one quarter)
 NB = KQ // 32  # 32-wide blocks
@@ -77,48 +89,6 @@ def ld_word(ptr):
 
 def st_shared(ptr, v):
     cute.arch.inline_ptx("st.shared.v4.u32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};", read_only_args=[ptr, *v])
-
-
-def _struct(n):
-    return llvm.StructType.get_literal([Float32.mlir_type] * n)
-
-
-def _tied(asm, vals, extra=(), extra_cons=()):
-    """Run asm (side effects: never reordered against the other wgmma statements) with vals as tied
-    in/out fp32 registers $0.. and extra inputs after them; returns the new values."""
-    n = len(vals)
-    cons = ",".join(["=f"] * n + list(extra_cons) + [str(i) for i in range(n)])
-    ops = [e.ir_value() if hasattr(e, "ir_value") else e for e in extra] + [v.ir_value() for v in vals]
-    res = llvm.inline_asm(_struct(n), ops, asm, cons, has_side_effects=True)
-    return [Float32(llvm.extractvalue(Float32.mlir_type, res, [i])) for i in range(n)]
-
-
-def wg_fence(vals):
-    return _tied("wgmma.fence.sync.aligned;", vals)
-
-
-def wg_wait(vals):
-    return _tied("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;", vals)
-
-
-def wgmma_ss(n, acc, desc_a, desc_b, one):
-    """acc += A (64 rows x k16 at desc_a) x B (k16 x n tokens at desc_b), both from shared memory."""
-    r = n // 2
-    d = ",".join(f"${i}" for i in range(r))
-    asm = ("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $" + str(r + 2) + ", 0;\n\t"
-           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, ${r}, ${r + 1}, p, 1, 1, 0, 0;"
-           "\n\t}")  # fmt: skip
-    return _tied(asm, acc, extra=(desc_a, desc_b, one), extra_cons=("l", "l", "r"))
-
-
-def wgmma_rs(n, acc, a, desc, one):
-    """acc += A (4 registers, mma.sync's A fragment of this warp's 16 rows) x B (k16 x n tokens at desc)."""
-    r = n // 2
-    d = ",".join(f"${i}" for i in range(r))
-    asm = ("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $" + str(r + 5) + ", 0;\n\t"
-           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, "
-           f"{{${r},${r + 1},${r + 2},${r + 3}}}, ${r + 4}, p, 1, 1, 0;\n\t}}")  # fmt: skip
-    return _tied(asm, acc, extra=(*a, desc, one), extra_cons=("r", "r", "r", "r", "l", "r"))
 
 
 class WgmmaProbe(Kernel):
@@ -181,7 +151,7 @@ class WgmmaProbe(Kernel):
             cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> the async proxy's reads
             # no-swizzle K-major descriptor: start >> 4, LBO (next core matrix in k) 128 B, SBO (next 8
             # tokens) one group, 8 KB
-            dbase = Int64((xb >> 4) & 0x3FFF) | Int64((CORE >> 4) << 16) | (Int64(GROUP_BYTES >> 4) << 32)
+            dbase = wg_desc(xb, GROUP_BYTES)
             passes = TOK // self.n
             park = xb + TOKX // 8 * GROUP_BYTES + tid * 64  # wg16s / wg32s: chain 0's sums of this thread
             for r in range(reps):
@@ -212,7 +182,7 @@ class WgmmaProbe(Kernel):
                     off = self.a_off + (r // 8) * sbo + (4 * bb + u) * CORE + (r % 8) * 16 + t * 4
                     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[xb + off, regs[u]])
         a0 = xb + self.a_off
-        return Int64((a0 >> 4) & 0x3FFF) | Int64((CORE >> 4) << 16) | (Int64(sbo >> 4) << 32)
+        return wg_desc(a0, sbo)
 
     def pass_wg(self, A, dbase, out, ob, pp, abase=None):
         """Tokens n pp .. n pp + n - 1 by wgmma, the same two chains and block order (hybrid: the last ns
