@@ -537,9 +537,10 @@ PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 # group i, all 128 rows of the head from the 8 CTAs (2 halves x 4 quarters), [group][quarter][row] fp32: the
 # same bytes, so PART_BYTES holds for both
 HEAD_ROWS = 2 * WARPS * ROWS
-# the wgmma stream: NVFP4 words whose A fragments stay in registers; the other 4 are parked in shared memory,
-# since at 3 CTAs per SM (168 registers) all 16 beside N = 24's accumulators make ptxas serialize the wgmma
-# (14 do too; 13 fit)
+# the wgmma stream: NVFP4 words whose A fragments stay in registers; the others are parked in shared memory,
+# since at 3 CTAs per SM (168 registers) 15 or 16 words beside N = 24's accumulators make ptxas serialize the
+# wgmma and spill (14: 162 registers, 12: 160, both unserialized). 12 is what was measured (chosen when the
+# pass was N = 32, where 14 serialized too; 13 and 14 at N = 24, with less of A in shared memory, were not)
 WG_REG = 12
 TOKEN_WORDS = WARPS * HEAD_ROWS  # one group's buffer (words)
 
