@@ -126,8 +126,35 @@ class SharedX:
         return ld_shared(self.base + (tok * self.row + k))
 
 
+class TiledX(SharedX):
+    """The NVFP4 x of one token-stream ring stage as wgmma tiles (loader.abi.WG_STRIDES; the caller has
+    waited for it), read by ldmatrix: matrix j of MMA step s is the 16-byte chunk 4 s + j of the 8 tokens'
+    rows, whose row g, word t is lane (g, t)'s MMA pair j of the k that fp4_x_k gives, i.e.
+    fp4_mma_partials' paired fragment of step s. `base`: the stage's shared address (an integer)."""
+
+    def __init__(self, base, lane):
+        super().__init__(base, 0, None)
+        self.lane = lane
+
+    def __getitem__(self, s):
+        """Step s's fragment, loaded where it is used (so the loads stay beside their MMAs)."""
+        return cute.arch.inline_ptx(
+            "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+            write_only_types=[Int32] * 4,
+            read_only_args=[self.base + sw128_chunk(4 * s + self.lane // 8, self.lane % 8)])  # fmt: skip
+
+
+def sw128_chunk(c, row):
+    """Byte offset of logical 16-byte chunk c of row `row` (0..7) in the 128-byte swizzled layout of a group's
+    K quarter (loader.abi.WG_STRIDES): atom c // 8, row `row`, chunk (c % 8) ^ row."""
+    return (c // 8) * 1024 + row * 128 + ((c % 8) ^ row) * 16
+
+
 def _x_loads(x, tok, ks):
-    """16-byte x fragments at token tok and element offsets ks: global loads, or shared once staged."""
+    """16-byte x fragments at token tok and element offsets ks: global loads, or shared once staged (wgmma
+    tiles: indexed by MMA step, the tiles holding each step's k in fp4_x_k's order)."""
+    if isinstance(x, TiledX):
+        return x
     if isinstance(x, SharedX):
         x.ready()
         return [x.load(tok, k) for k in ks]
@@ -493,12 +520,6 @@ def wg_desc_sw128(addr, sbo: int):
     return Int64((addr >> 4) & 0x3FFF) | Int64(1 << 16) | (Int64(sbo >> 4) << 32) | (Int64(1) << 62)
 
 
-def sw128_chunk(c, row):
-    """Byte offset of logical 16-byte chunk c of row `row` (0..7) in the 128-byte swizzled layout of a group's
-    K quarter (loader.abi.WG_STRIDES): atom c // 8, row `row`, chunk (c % 8) ^ row."""
-    return (c // 8) * 1024 + row * 128 + ((c % 8) ^ row) * 16
-
-
 def wg_desc(addr, sbo: int):
     """A K-major matrix descriptor without swizzle: start address addr (shared, bytes), the next core matrix
     in k WG_CORE bytes further (LBO), the next 8 rows (tokens) sbo bytes further (SBO)."""
@@ -695,25 +716,11 @@ class StreamGemv:
                     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[xb + off, regs[j]])
 
     def ring_partials(self, st, xs, i, tid):
-        """wgmma stream: group i's partial sums by the 8-token design's mma.sync sequence (as partials), x
-        from its ring stage by ldmatrix: matrix j of step s is the 16-byte chunk 4 s + j of the 8 tokens'
-        rows, whose word t is lane t's MMA pair j (fp4_mma_partials' paired fragment); A: all 16 words from
-        registers."""
-        _, lane, _, _ = lanes(tid)
-        stage = xs.toint() + i * self.stage_bytes
-        z = Float32(0.0)
-        acc = [[z, z, z, z], [z, z, z, z]]
-        D = st["D"]
-        for s in range(FP4_WORDS):
-            xp = cute.arch.inline_ptx(
-                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                write_only_types=[Int32] * 4,
-                read_only_args=[stage + sw128_chunk(4 * s + lane // 8, lane % 8)])  # fmt: skip
-            a, b = D[0][s], D[1][s]
-            for h in range(2):
-                acc[h] = list(mma_bf16((a[2 * h], b[2 * h], a[2 * h + 1], b[2 * h + 1]),
-                                       (xp[2 * h], xp[2 * h + 1]), acc[h]))  # fmt: skip
-        return [acc[0][e] + acc[1][e] for e in range(4)]
+        """wgmma stream: group i's partial sums by the 8-token design's mma.sync sequence (fp4_mma_partials
+        itself), x from its ring stage's tiles (TiledX); A: all 16 words from registers. (tok and m are unused
+        for x in shared memory.)"""
+        x = TiledX(xs.toint() + i * self.stage_bytes, lanes(tid)[1])
+        return fp4_mma_partials(st["D"], x, 0, tid, None, paired=True)
 
     def wg_pass(self, st, xs, n: int, first: int = 0):
         """wgmma stream: the partial sums of the n tokens of ring stages first .. first + n / 8 - 1 (landed;

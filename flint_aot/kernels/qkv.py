@@ -373,13 +373,18 @@ class QkvKernel(Kernel):
             if cutlass.const_expr(not self.wgmma):  # (wgmma: after the park, stream_park)
                 self.stream_meta(a, t, s)
 
+    def wg_pass(self) -> bool:
+        """This build runs groups 1-3 as a wgmma pass: the 32-token NVFP4 kernel compiled for sm_90a (sm_100a
+        has no wgmma: there every group runs by mma.sync from the same tiles). Read while tracing."""
+        return self.wgmma and self.arch == "sm_90a"
+
     @cute.jit
     def stream_park(self, a, t, s, st):
         """The wgmma stream, once the weights are decoded: with 4 groups, A's parked words
         (gemv_core.StreamGemv.park) fenced for the wgmma's async proxy, and a CTA barrier; then warp 0 stages
         the slots and positions (after the barrier: its loads would hold the other warps there, 0.1 us a
         layer, BENCHMARKS.md §2 step 20)."""
-        if cutlass.const_expr(self.arch == "sm_90a"):  # (wgmma: sm_90a only; sm_100a runs mma.sync)
+        if cutlass.const_expr(self.wg_pass()):
             if (a.m + (GROUP - 1)) // GROUP == self.groups:
                 self.core.park(st, s.xs, t.tid)
                 cute.arch.fence_proxy("async.shared", space="cta")
@@ -437,7 +442,7 @@ class QkvKernel(Kernel):
         refilled (separate design: bulk copies of group i + stages once every warp has read it; prologue
         design: group i + 1 normalised into the other stage after the MMAs, then a CTA barrier)."""
         groups = (a.m + (GROUP - 1)) // GROUP
-        if cutlass.const_expr(self.wgmma and self.arch == "sm_90a"):  # (docs/kernels.md §2.6)
+        if cutlass.const_expr(self.wg_pass()):  # (docs/kernels.md §2.6)
             if groups == self.groups:  # group 0 as soon as its x lands, then the other 3 in one wgmma pass
                 cute.arch.mbarrier_wait(s.mbx, 0)
                 d = self.core.ring_partials(st, s.xs, 0, t.tid)
