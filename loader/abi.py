@@ -90,21 +90,21 @@ def ring_strides(weight_format: str) -> tuple[int, int, int]:
     return (HIDDEN // K_QUARTER * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
 
 
-# * the 32-token NVFP4 kernel (two-kernel design), whose MMAs read x as wgmma operands: each group's K quarter
-#   as K-major tiles with the 128-byte swizzle, 8 atoms of 8 rows (tokens) x 128 bytes; logical 16-byte chunk
-#   4 i + j of token n's row holds, at word t, MMA pair j of the 8 k that lane t reads at MMA step i
-#   (gemv_core.fp4_x_k), stored at (chunk // 8) KB + n * 128 + ((chunk % 8) ^ n) * 16 bytes: 8 KB a group and
-#   quarter, no pad, one bulk copy (xn_pairs 2; `row`: the 128-byte row, in elements).
+# * the 32- and 64-token NVFP4 kernels (two-kernel design), whose MMAs read x as wgmma operands: each group's
+#   K quarter as K-major tiles with the 128-byte swizzle, 8 atoms of 8 rows (tokens) x 128 bytes; logical
+#   16-byte chunk 4 i + j of token n's row holds, at word t, MMA pair j of the 8 k that lane t reads at MMA
+#   step i (gemv_core.fp4_x_k), stored at (chunk // 8) KB + n * 128 + ((chunk % 8) ^ n) * 16 bytes: 8 KB a
+#   group and quarter, no pad, one bulk copy (xn_pairs 2; `row`: the 128-byte row, in elements).
 WG_QUARTER = TOKEN_GROUP * K_QUARTER  # elements of a group's K quarter in that layout (8 KB)
 WG_STRIDES = (HIDDEN // K_QUARTER * WG_QUARTER, 64, WG_QUARTER)
 
 
 def wgmma_stream(qkv: dict | None) -> bool:
-    """The qkv kernel of spec `qkv` is the 32-token NVFP4 kernel of the two-kernel design, which reads xn in
-    the WG_STRIDES layout (docs/kernels.md §2.6)."""
+    """The qkv kernel of spec `qkv` is the 32- or 64-token NVFP4 kernel of the two-kernel design, which reads
+    xn in the WG_STRIDES layout (docs/kernels.md §2.6)."""
     if not qkv or qkv.get("norm", "separate") != "separate" or qkv.get("debug_mma_stream"):
         return False  # (debug_mma_stream: a research build of the mma.sync stream for A/B runs, never served)
-    return qkv.get("weight_format") == "nvfp4" and qkv.get("max_m", 8) == 32
+    return qkv.get("weight_format") == "nvfp4" and qkv.get("max_m", 8) in (32, 64)
 
 
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:

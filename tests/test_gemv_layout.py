@@ -151,9 +151,9 @@ def _wg_stores(strides, t):
 
 
 @needs_dsl
-@pytest.mark.parametrize("m", [17, 24, 25, 32])
-def test_the_32_token_nvfp4_xn_is_wgmma_tiles(m):
-    """The two-kernel design's 32-token NVFP4 kernel reads xn as wgmma tiles (loader.abi.WG_STRIDES,
+@pytest.mark.parametrize("m,tile", [(17, 32), (24, 32), (25, 32), (32, 32), (33, 64), (57, 64), (64, 64)])
+def test_the_32_and_64_token_nvfp4_xn_is_wgmma_tiles(m, tile):
+    """The two-kernel design's 32- and 64-token NVFP4 kernels read xn as wgmma tiles (loader.abi.WG_STRIDES,
     docs/kernels.md §2.6), 128-byte swizzled: the norm's stores of every token are 16-byte aligned, distinct,
     inside xn_numel, inside the token's own 128-byte lines, and each 16-byte chunk is what the MMAs read
     there: word t of token n's chunk 4 i + j is MMA pair j of the 8 k that lane t reads at step i
@@ -162,7 +162,7 @@ def test_the_32_token_nvfp4_xn_is_wgmma_tiles(m):
     + 1, 32 contiguous bytes before the swizzle)."""
     from flint_aot.kernels.gemv_core import fp4_x_k
 
-    spec = abi.qkv_spec("nvfp4", True, 16, 2, max_m=32)
+    spec = abi.qkv_spec("nvfp4", True, 16, 2, max_m=tile)
     s = abi.xn_strides(spec)
     assert s == abi.WG_STRIDES and abi.xn_pairs(spec) == 2
     n_el = abi.xn_numel(m, s)

@@ -154,10 +154,10 @@ def test_bad_arguments_raise_before_launch(gpu_bundle):
 def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     """The norm kernel writing the layout a two-kernel qkv kernel reads (loader.abi.xn_strides: the 8-token
     kernels' padded rows, the token stream's ring; loader.abi.xn_pairs: for NVFP4 each 8 elements in the
-    MMA pair order k0, k0 + 4, k0 + 1, k0 + 5, .., and for the 32-token NVFP4 kernel those pairs in the
-    wgmma tiles of loader.abi.WG_STRIDES), launched by name into a NaN-poisoned buffer with guard bands:
-    every token's values land at their offsets with the bits of the op's plain-row xn; the pads, the rows of
-    tokens past M in the ring's last group and the guard bands stay NaN."""
+    MMA pair order k0, k0 + 4, k0 + 1, k0 + 5, .., and for the 32- and 64-token NVFP4 kernels those pairs
+    in the wgmma tiles of loader.abi.WG_STRIDES), launched by name into a NaN-poisoned buffer with guard
+    bands: every token's values land at their offsets with the bits of the op's plain-row xn; the pads, the
+    rows of tokens past M in the ring's last group and the guard bands stay NaN."""
     import loader
     from loader import abi
 
@@ -165,7 +165,7 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     want, want_res = loader.fused_add_rms_norm(x, r, w, 1e-6)
     spec = abi.qkv_spec(fmt, True, 16, 2, max_m=tile)
     s, pairs = abi.xn_strides(spec), abi.xn_pairs(spec)
-    assert pairs == (0 if fmt == "bf16" else 2 if tile == 32 else 1)
+    assert pairs == (0 if fmt == "bf16" else 2 if tile in (32, 64) else 1)
     n, guard = abi.xn_numel(m, s), 4096
     buf = torch.full((n + 2 * guard,), float("nan"), device="cuda").bfloat16()
     res_out = torch.full_like(x, float("nan"))

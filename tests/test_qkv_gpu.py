@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 KV = ["bf16", "fp8_e4m3"]
 DESIGNS = ["separate", "prologue"]  # the input norm in its own kernel, or in the qkv kernel's prologue
 # every M of the 8- and 16-token tiles, then both sides of each larger tile's edges and a few inside
-MS = [*range(1, 18), 24, 31, 32, 33, 40, 48, 57, 63, 64]
+MS = [*range(1, 18), 24, 31, 32, 33, 40, 48, 56, 57, 63, 64]
 
 
 def _has_design(bundle, design) -> bool:
@@ -114,29 +114,50 @@ def test_token_tiles_agree(gpu_bundle, fmt, design):
     """Every tile gives each token the bits the 8-token kernel gives it (docs/numerics.md §2): a call of M
     tokens on either side of each tile edge (8/9, 16/17, 32/33, 64) equals, q row by row and every cache
     byte, calls of 8 tokens at a time on the same inputs."""
-    import loader
-
     if not _has_design(gpu_bundle, design):
         pytest.skip(f"the bundle has no {design}-design qkv kernels")
     vs = variants(gpu_bundle, fmt)
     for i, (rope, (nq, nkv)) in enumerate(vs):
         for m in (9, 16, 17, 32, 33, 64)[i % 2 :: 2] if len(vs) > 1 else (9, 16, 17, 32, 33, 64):
             c = make_case(m, nq, nkv, rope, seed=6100 + 100 * i + m, residual=(i % 2 == 0), fmt=fmt)
-            parts = dict(c, k_cache=c["k_cache"].clone(), v_cache=c["v_cache"].clone())
-            with loader.launch_options(design=design):
-                q, r = run(c)
-                pieces = []
-                for a in range(0, m, 8):
-                    b = min(a + 8, m)
-                    h = dict(parts, **{k: None if c[k] is None else c[k][a:b].contiguous()
-                                       for k in ("x", "residual", "positions", "slot_mapping")})  # fmt: skip
-                    pieces.append(run(h))
-            torch.cuda.synchronize()
-            bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
-            assert torch.equal(bits(q), bits(torch.cat([h[0] for h in pieces]))), (rope, nq, nkv, m)
-            assert torch.equal(bits(r), bits(torch.cat([h[1] for h in pieces]))), (rope, nq, nkv, m)
-            for name in ("k_cache", "v_cache"):
-                assert torch.equal(bits(c[name]), bits(parts[name])), (name, rope, nq, nkv, m)
+            _agrees_with_8_token_calls(c, design, (rope, nq, nkv, m))
+
+
+def _agrees_with_8_token_calls(c, design, what):
+    """Case c called whole equals, q row by row and every cache byte, calls of 8 tokens at a time on the
+    same inputs."""
+    import loader
+
+    m = c["x"].shape[0]
+    parts = dict(c, k_cache=c["k_cache"].clone(), v_cache=c["v_cache"].clone())
+    with loader.launch_options(design=design):
+        q, r = run(c)
+        pieces = []
+        for a in range(0, m, 8):
+            b = min(a + 8, m)
+            h = dict(parts, **{k: None if c[k] is None else c[k][a:b].contiguous()
+                               for k in ("x", "residual", "positions", "slot_mapping")})  # fmt: skip
+            pieces.append(run(h))
+    torch.cuda.synchronize()
+    bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
+    assert torch.equal(bits(q), bits(torch.cat([h[0] for h in pieces]))), what
+    assert torch.equal(bits(r), bits(torch.cat([h[1] for h in pieces]))), what
+    for name in ("k_cache", "v_cache"):
+        assert torch.equal(bits(c[name]), bits(parts[name])), (name, *what)
+
+
+def test_the_64_token_nvfp4_schedules_agree(gpu_bundle):
+    """The two-kernel design's 64-token NVFP4 kernel runs its 5 to 8 groups of tokens in four schedules
+    (docs/kernels.md §2.6: group 0 by mma.sync and groups 1-3 in one wgmma pass, then groups 4 .. by mma.sync,
+    or, with all 8, group 4 and a second pass): at M = 40, 48, 56 and 64 (and at 41, 49 and 57, one token into
+    the group) each token has the bits of the 8-token kernel, q and every cache byte."""
+    if not _has_design(gpu_bundle, "separate"):
+        pytest.skip("the bundle has no separate-design qkv kernels")
+    vs = variants(gpu_bundle, "nvfp4")
+    for j, m in enumerate((40, 41, 48, 49, 56, 57, 64)):
+        rope, (nq, nkv) = vs[j % len(vs)]
+        c = make_case(m, nq, nkv, rope, seed=6900 + m, residual=(j % 2 == 0), fmt="nvfp4")
+        _agrees_with_8_token_calls(c, "separate", (rope, nq, nkv, m))
 
 
 @pytest.mark.parametrize("kv", KV)
@@ -402,7 +423,10 @@ def test_slow_producer(gpu_bundle):
     """A debug bundle whose norm kernel busy-waits ~1 ms before writing xn (configs/debug_slow_producer.yaml,
     built into build/debug or $FLINT_AOT_DEBUG_BUNDLE): the qkv kernel, which starts streaming its weights
     as soon as the norm kernel starts, must still read the new xn. Inputs change between calls, so a kernel
-    that did not wait would read the previous call's activations (or garbage) and fail the comparison."""
+    that did not wait would read the previous call's activations (or garbage) and fail the comparison. The
+    bundle has no 32-token tile: M = 17..32 runs the 64-token kernels, whose NVFP4 one then takes its
+    fewer-group paths (no pass at 3 groups; one pass and no refill at 4), which a full bundle never
+    reaches."""
     import os
 
     import loader
@@ -419,13 +443,20 @@ def test_slow_producer(gpu_bundle):
     try:
         norms = [e for e in b.manifest.kernels if e.kind == "norm" and e.arch == "sm_90a"]
         assert norms and all(e.spec.get("debug_spin_cycles", 0) >= 1_000_000 for e in norms)
-        for i, (rope, (nq, nkv)) in enumerate(variants(b)):
-            for m in (1, 5, 8, 13, 16):
-                c = make_case(m, nq, nkv, rope, seed=7000 + 10 * m + i, residual=(m % 2 == 1))
+        tiles = {e.spec.get("max_m", 8) for e in b.manifest.kernels if e.kind == "qkv"}
+        assert 64 in tiles and 32 not in tiles, tiles
+        cases = [("bf16", m) for m in (1, 5, 8, 13, 16, 24)]
+        cases += [("nvfp4", m) for m in (3, 17, 24, 25, 32, 40, 64)]
+        for fmt, m in cases:
+            for i, (rope, (nq, nkv)) in enumerate(variants(b, fmt)):
+                c = make_case(m, nq, nkv, rope, seed=7000 + 10 * m + i, residual=(m % 2 == 1), fmt=fmt)
                 kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
                 q, res_out = run(c)
                 torch.cuda.synchronize()
                 check(c, q, res_out, kb, vb)
+                if fmt == "nvfp4" and m in (17, 25):  # the 64-token kernel's fewer-group paths, bit for bit
+                    c = make_case(m, nq, nkv, rope, seed=7500 + m + i, residual=True, fmt=fmt)
+                    _agrees_with_8_token_calls(c, "separate", (rope, nq, nkv, m))
         # what ran (this thread's plans and launchers, emptied by load_bundle): every call the two-kernel
         # design, its norm kernel a spinning one of the debug bundle
         cache = runtime.thread_cache()

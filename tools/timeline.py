@@ -139,6 +139,40 @@ PATCHES = [
         "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)\n"
         + _GROUP_END,
     ),
+    # the wgmma stream (NVFP4, 32 and 64 tokens): group 4 h by mma.sync, then the pass of the other three (their
+    # x in: after the pass's waits; their MMAs done: when the pass's sums are), and the mma.sync groups
+    (
+        "flint_aot/kernels/qkv.py",
+        "        cute.arch.mbarrier_wait(s.mbx, h)\n        d = self.core.ring_partials(st, s.xs, 0, t.tid)\n",
+        "        cute.arch.mbarrier_wait(s.mbx, h)\n"
+        "        if cutlass.const_expr(h == 0):\n"
+        f"            _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
+        f"        _tl_store(t.tid, {_T_AT.format('16 + 4 * h')}, _tl_time(a.m >> 31))\n"
+        "        d = self.core.ring_partials(st, s.xs, 0, t.tid)\n"
+        f"        _tl_store(t.tid, {_T_AT.format('8 + 4 * h')}, _tl_time(core.runtime_zero([device.f32_bits(d[0])], a.m)))\n",
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "        ds = self.core.wg_pass(st, s.xs, GROUP * 3, 1)\n",
+        "".join(f"        _tl_store(t.tid, {_T_AT.format(f'16 + 4 * h + {j}')}, _tl_time(a.m >> 31))\n" for j in (1, 2, 3))
+        + "        ds = self.core.wg_pass(st, s.xs, GROUP * 3, 1)\n"
+        + "".join(f"        _tl_store(t.tid, {_T_AT.format(f'8 + 4 * h + {j}')}, "
+                  f"_tl_time(core.runtime_zero([device.f32_bits(ds[{j - 1}][0])], a.m)))\n" for j in (1, 2, 3)),
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "                d = self.core.ring_partials(st, s.xs, stage, t.tid)\n",
+        f"                _tl_store(t.tid, {_T_AT.format('16 + i')}, _tl_time(a.m >> 31))\n"
+        "                d = self.core.ring_partials(st, s.xs, stage, t.tid)\n" + _GROUP_END,
+    ),
+    (
+        "flint_aot/kernels/qkv.py",
+        "                d = self.core.ring_partials(st, s.xs, i, t.tid)\n",
+        "                if i == 0:\n"
+        f"                    _tl_store(t.tid, {_T_AT.format(3)}, _tl_time(a.m >> 31))\n"
+        f"                _tl_store(t.tid, {_T_AT.format('16 + i')}, _tl_time(a.m >> 31))\n"
+        "                d = self.core.ring_partials(st, s.xs, i, t.tid)\n" + _GROUP_END,
+    ),
     (  # the token stream's epilogue: T5 the CTA's last group's partial sums in, T6 its stores issued (lane 0
         # of the warp that takes the last group)
         "flint_aot/kernels/qkv.py",

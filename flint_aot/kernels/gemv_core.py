@@ -390,7 +390,7 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
     if fp4:
         assert issued is None, "NVFP4: a warp waiting in issued() could not decode before the wait"
         codes, scw = issue_fp4_loads(w, wsc, row0, tid, kq)
-        st["gs"] = cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)  # global scale * 2^7
+        st["gs"] = global_scale(gsc)
         st["D"] = fp4_decode_rows(codes, scw, range(pre), tid)
         st["codes"], st["scw"], st["pre"] = codes, scw, pre
         flat = scw[0][pre // 4 :] + scw[1][pre // 4 :] + codes[0][pre:] + codes[1][pre:]
@@ -409,6 +409,11 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
     st["zero"] = runtime_zero(flat, m)
     guarded_wait(st["zero"])
     return st
+
+
+def global_scale(gsc):
+    """NVFP4: the weights' global scale times 2^7 (the decoded weights are e2m1 * e4m3 * 2^-7)."""
+    return cute.make_tensor(gsc, cute.make_layout(1))[0] * Float32(128.0)
 
 
 @cute.jit
@@ -558,11 +563,13 @@ PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 # group i, all 128 rows of the head from the 8 CTAs (2 halves x 4 quarters), [group][quarter][row] fp32: the
 # same bytes, so PART_BYTES holds for both
 HEAD_ROWS = 2 * WARPS * ROWS
-# the wgmma stream: NVFP4 words whose A fragments stay in registers; the others are parked in shared memory,
-# since at 3 CTAs per SM (168 registers) 15 or 16 words beside N = 24's accumulators make ptxas serialize the
-# wgmma and spill (14: 162 registers, 12: 160, both unserialized). 12 is what was measured (chosen when the
-# pass was N = 32, where 14 serialized too; 13 and 14 at N = 24, with less of A in shared memory, were not)
-WG_REG = 12
+# the wgmma stream: NVFP4 words whose A fragments stay in registers, per tile; the others are parked in shared
+# memory, since at 3 CTAs per SM (168 registers) 15 or 16 words beside N = 24's accumulators make ptxas
+# serialize the wgmma and spill (14: 162 registers at tile 32, 12: 160, both unserialized). Tile 32 keeps 12
+# (chosen when its pass was N = 32, where 14 serialized too; 14 measured since: -0.15..+0.12 us, mixed);
+# tile 64 takes 14: with 8 KB less of parked A its three CTAs fit the 196 KB carveout (with 12 they need
+# 228 KB, and gave back 0.3-0.45 us a layer of the passes' gain; BENCHMARKS.md §2 step 21)
+WG_REG = {32: 12, 64: 14}
 TOKEN_WORDS = WARPS * HEAD_ROWS  # one group's buffer (words)
 
 
@@ -592,19 +599,20 @@ class StreamGemv:
         group, _, self.ring_quarter = ring_strides("nvfp4" if fp4 else "bf16")  # ring_x: xn's strides
         self.ring_quarters = group // self.ring_quarter  # (a group's quarter blocks, one after another)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
-        # the wgmma stream (NVFP4, the separate design's 32-token kernel, docs/kernels.md §2.6): x in the
-        # wgmma's swizzled K-major tiles (xn in loader.abi.WG_STRIDES), one 8 KB bulk copy a group and
-        # quarter; with 4 groups, group 0 by mma.sync (x by ldmatrix) as soon as its x lands, then groups 1-3
-        # in one wgmma pass (N = 24), A's words 0 .. WG_REG - 1 from registers, the rest from a tile in shared
-        # memory (`park`); with fewer groups every group by mma.sync
+        # the wgmma stream (NVFP4, the separate design's 32- and 64-token kernels, docs/kernels.md §2.6): x in
+        # the wgmma's swizzled K-major tiles (xn in loader.abi.WG_STRIDES), one 8 KB bulk copy a group and
+        # quarter into a ring of 4 stages; groups 4 h .. 4 h + 3: group 4 h by mma.sync (x by ldmatrix) as
+        # soon as its x lands, then the other 3 in one wgmma pass (N = 24), A's words 0 .. wg_reg - 1 from
+        # registers, the rest from a tile in shared memory (`park`); groups outside such a four by mma.sync
         self.wgmma = wgmma
         if wgmma:
-            assert fp4 and ring_x and paired and self.stages == self.groups, "wgmma: NVFP4, a ring of all"
+            assert fp4 and ring_x and paired and self.stages == 4, "wgmma: NVFP4, a ring of 4 stages"
+            self.wg_reg = WG_REG[tile]
             group, _, self.ring_quarter = WG_STRIDES
             self.ring_quarters = group // self.ring_quarter
             self.stage_bytes = GROUP * QUARTER * 2
             self.a_off = self.stages * self.stage_bytes  # A's parked words, after the ring
-            self.a_sbo = (FP4_WORDS - WG_REG) * 4 * WG_CORE  # the next 8 rows of A
+            self.a_sbo = (FP4_WORDS - self.wg_reg) * 4 * WG_CORE  # the next 8 rows of A
             self.dyn_smem = self.a_off + WARPS * ROWS // 8 * self.a_sbo
 
     def alloc(self):
@@ -701,25 +709,25 @@ class StreamGemv:
         return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0, self.paired)
 
     def park(self, st, xs, tid):
-        """wgmma stream, after start: this thread's A fragments of words WG_REG .. 15 (both rows) into A's
+        """wgmma stream, after start: this thread's A fragments of words wg_reg .. 15 (both rows) into A's
         tile in shared memory, K-major without swizzle: row r = 16 w + g (+ 8), word t of core matrix
-        4 (i - WG_REG) + j holds register j of word i (the k order of x's tiles). The caller fences them for
+        4 (i - wg_reg) + j holds register j of word i (the k order of x's tiles). The caller fences them for
         the async proxy and syncs the CTA before the pass."""
         warp, _, g, t = lanes(tid)
         xb = xs.toint()
-        for i in range(WG_REG, FP4_WORDS):
+        for i in range(self.wg_reg, FP4_WORDS):
             for h in range(2):
                 regs = st["D"][h][i]
                 for j in range(4):
                     row = self.a_off + (2 * warp + h) * self.a_sbo + g * 16 + t * 4
-                    off = row + (4 * (i - WG_REG) + j) * WG_CORE
+                    off = row + (4 * (i - self.wg_reg) + j) * WG_CORE
                     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[xb + off, regs[j]])
 
-    def ring_partials(self, st, xs, i, tid):
-        """wgmma stream: group i's partial sums by the 8-token design's mma.sync sequence (fp4_mma_partials
-        itself), x from its ring stage's tiles (TiledX); A: all 16 words from registers. (tok and m are unused
-        for x in shared memory.)"""
-        x = TiledX(xs.toint() + i * self.stage_bytes, lanes(tid)[1])
+    def ring_partials(self, st, xs, stage, tid):
+        """wgmma stream: the partial sums of the group in ring stage `stage` (landed) by the 8-token design's
+        mma.sync sequence (fp4_mma_partials itself), x from the stage's tiles (TiledX); A: all 16 words from
+        registers. (tok and m are unused for x in shared memory.)"""
+        x = TiledX(xs.toint() + stage * self.stage_bytes, lanes(tid)[1])
         return fp4_mma_partials(st["D"], x, 0, tid, None, paired=True)
 
     def wg_pass(self, st, xs, n: int, first: int = 0):
@@ -736,8 +744,8 @@ class StreamGemv:
         for i in range(FP4_WORDS):
             for h in range(2):
                 db = bdesc + Int64(sw128_chunk(4 * i + 2 * h, 0) >> 4)  # (chunks 4 i + 2 h and + 1: 32 bytes)
-                if i >= WG_REG:
-                    da = adesc + Int64(((4 * (i - WG_REG) + 2 * h) * WG_CORE) >> 4)
+                if i >= self.wg_reg:
+                    da = adesc + Int64(((4 * (i - self.wg_reg) + 2 * h) * WG_CORE) >> 4)
                     acc[h] = wgmma_ss(n, acc[h], da, db, one)
                 else:
                     a, b = D[0][i], D[1][i]

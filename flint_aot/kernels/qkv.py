@@ -85,7 +85,9 @@ class QkvKernel(Kernel):
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
             # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
             sep = not self.prologue
-            self.wgmma = wgmma_stream(spec)  # NVFP4's 32-token kernel (docs/kernels.md §2.6)
+            self.wgmma = wgmma_stream(spec)  # NVFP4's 32- and 64-token kernels (docs/kernels.md §2.6)
+            if self.wgmma:
+                stages = 4  # (groups 4 h .. 4 h + 3 in stages 0..3)
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
                                         ring_x=sep, token_owners=True, paired=self.paired,
                                         wgmma=self.wgmma)  # fmt: skip
@@ -380,12 +382,12 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_park(self, a, t, s, st):
-        """The wgmma stream, once the weights are decoded: with 4 groups, A's parked words
+        """The wgmma stream, once the weights are decoded: with 4 groups or more, A's parked words
         (gemv_core.StreamGemv.park) fenced for the wgmma's async proxy, and a CTA barrier; then warp 0 stages
         the slots and positions (after the barrier: its loads would hold the other warps there, 0.1 us a
         layer, BENCHMARKS.md §2 step 20)."""
         if cutlass.const_expr(self.wg_pass()):
-            if (a.m + (GROUP - 1)) // GROUP == self.groups:
+            if (a.m + (GROUP - 1)) // GROUP >= 4:  # (a pass runs: stream_mmas)
                 self.core.park(st, s.xs, t.tid)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.sync_threads()
@@ -443,19 +445,17 @@ class QkvKernel(Kernel):
         design: group i + 1 normalised into the other stage after the MMAs, then a CTA barrier)."""
         groups = (a.m + (GROUP - 1)) // GROUP
         if cutlass.const_expr(self.wg_pass()):  # (docs/kernels.md §2.6)
-            if groups == self.groups:  # group 0 as soon as its x lands, then the other 3 in one wgmma pass
-                cute.arch.mbarrier_wait(s.mbx, 0)
-                d = self.core.ring_partials(st, s.xs, 0, t.tid)
-                self.core.send_tokens(s.red, s.mbr, d, 0, t.rank, t.tid)
-                for i in cutlass.range_constexpr(1, self.groups):
-                    cute.arch.mbarrier_wait(s.mbx + i, 0)
-                ds = self.core.wg_pass(st, s.xs, GROUP * (self.groups - 1), 1)
-                for i in cutlass.range_constexpr(1, self.groups):
-                    self.core.send_tokens(s.red, s.mbr, ds[i - 1], i, t.rank, t.tid)
+            if groups >= 4:  # groups 0-3 (group 0, then a pass), at 64 tokens 4-7 so too if all 8 are there
+                self.wg_four(a, t, s, st, q, 0, groups)
+                if cutlass.const_expr(self.groups > 4):
+                    if groups == self.groups:
+                        self.wg_four(a, t, s, st, q, 1, groups)
+                    else:
+                        self.ring_groups(a, t, s, st, q, groups, 4)
             else:  # (N = 8 or 16 reuses A too little for the pass to pay: BENCHMARKS.md §2 step 20)
-                self.ring_groups(t, s, st, groups)
+                self.ring_groups(a, t, s, st, q, groups, 0)
         elif cutlass.const_expr(self.wgmma):  # sm_100a has no wgmma: the same tiles, every group by mma.sync
-            self.ring_groups(t, s, st, groups)
+            self.ring_groups(a, t, s, st, q, groups, 0)
         elif cutlass.const_expr(self.prologue):
             for i in range(groups):
                 d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)
@@ -471,11 +471,42 @@ class QkvKernel(Kernel):
                 self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
-    def ring_groups(self, t, s, st, groups):
-        """The wgmma stream's groups one after another by mma.sync, x by ldmatrix from the ring's tiles."""
-        for i in cutlass.range(groups, unroll=1):
-            cute.arch.mbarrier_wait(s.mbx + i, 0)
-            d = self.core.ring_partials(st, s.xs, i, t.tid)
+    def wg_four(self, a, t, s, st, q, h: cutlass.Constexpr, groups):
+        """The wgmma stream's groups 4 h .. 4 h + 3, in ring stages 0..3 (their fill h): group 4 h by
+        mma.sync as soon as its x lands, then the other three in one wgmma pass (N = 24). In the 64-token
+        kernel's first four each stage, once read, is refilled with the group 4 ahead, if there is one (stage
+        0 after group 0's MMAs, so that group 4's x arrives during the pass). Two passes of 32 `wgmma` in the
+        code (h is a constant: a loop over h at run time spilled 25 registers)."""
+        cute.arch.mbarrier_wait(s.mbx, h)
+        d = self.core.ring_partials(st, s.xs, 0, t.tid)
+        if cutlass.const_expr(h == 0 and self.groups > 4):
+            if 4 < groups:
+                self.core.refill(s.xs, s.mbx, a.x, q, 0, a.m, t.tid)
+        self.core.send_tokens(s.red, s.mbr, d, 4 * h, t.rank, t.tid)
+        for j in cutlass.range_constexpr(1, 4):
+            cute.arch.mbarrier_wait(s.mbx + j, h)
+        ds = self.core.wg_pass(st, s.xs, GROUP * 3, 1)
+        if cutlass.const_expr(h == 0 and self.groups > 4):
+            for j in cutlass.range_constexpr(1, 4):
+                if j + 4 < groups:
+                    self.core.refill(s.xs, s.mbx, a.x, q, j, a.m, t.tid)
+        for j in cutlass.range_constexpr(1, 4):
+            self.core.send_tokens(s.red, s.mbr, ds[j - 1], 4 * h + j, t.rank, t.tid)
+
+    @cute.jit
+    def ring_groups(self, a, t, s, st, q, groups, start: cutlass.Constexpr):
+        """The wgmma stream's groups start .. groups - 1 one after another by mma.sync, x by ldmatrix from
+        their ring stages' tiles (the 64-token kernel's stages refilled with the group 4 ahead once read)."""
+        for i in cutlass.range(start, groups, unroll=1):
+            if cutlass.const_expr(self.core.refills):
+                stage = i % self.core.stages
+                cute.arch.mbarrier_wait(s.mbx + stage, (i // self.core.stages) % 2)
+                d = self.core.ring_partials(st, s.xs, stage, t.tid)
+                if i + self.core.stages < groups:
+                    self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+            else:  # (a ring of every group)
+                cute.arch.mbarrier_wait(s.mbx + i, 0)
+                d = self.core.ring_partials(st, s.xs, i, t.tid)
             self.core.send_tokens(s.red, s.mbr, d, i, t.rank, t.tid)
 
     @cute.jit
@@ -492,6 +523,8 @@ class QkvKernel(Kernel):
         groups = (a.m + (GROUP - 1)) // GROUP
         warp, lane, _, _ = device.lanes(t.tid)
         dims = [4 * lane + j for j in range(4)]
+        if cutlass.const_expr(self.wgmma and self.groups > 4):  # NVFP4's global scale read again here: held
+            st["gs"] = core.global_scale(a.global_scale)  # from the start, ptxas spilled it at 64 tokens
         wn, wp = self.norm_weights(a, t, dims)
         if cutlass.const_expr(self.rope):
             if not t.is_v:
