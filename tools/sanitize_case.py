@@ -1,8 +1,9 @@
 """Fused qkv calls for compute-sanitizer (memcheck / racecheck / synccheck): both weight formats, both designs
 (the input norm in the qkv kernel's prologue, and the two-kernel design), BF16 and FP8 caches, with and
-without a residual, M = 1, 3, 8 (the 8-token tile), 16, 20, 32, 33 and 64 (the token stream's tiles; 20
-and 32: the 32-token kernel with 3 and 4 groups, which differ in NVFP4's two-kernel design), bad slots among
-them; then the unfused path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
+without a residual, M = 1, 3, 8 (the 8-token tile), 16, 20, 25, 32, 33, 48, 56 and 64 (the token stream's
+tiles; in NVFP4's two-kernel design 20 and 25-32 are the 32-token kernel with 3 and 4 groups, 33-56 the
+64-token kernel's one wgmma pass, 64 its two, docs/kernels.md §2.6), bad slots among them; then the unfused
+path (norm, gemv, qk_norm_rope_cache) at M = 5, 13 and 64.
 
     compute-sanitizer --tool racecheck --report-api-errors no python3 tools/sanitize_case.py [M ...]
         [--design separate|prologue] [--fmt bf16|nvfp4] [--no-unfused] [--bundle DIR]
@@ -11,7 +12,7 @@ Given token counts, only the fused calls with those M, and the unfused path at t
 `1 16 32 64` checks the 8-, 16-, 32- and 64-token kernels). --design / --fmt keep one design or weight format,
 so that a slow tool can run as parallel processes that split the cases between them. --bundle: a smaller
 bundle loads faster under a sanitizer; `configs/sanitize.yaml` builds one with every kernel these calls reach
-at 1, 16, 32 and 64.
+but the one at M = 8.
 """
 
 import argparse
@@ -30,8 +31,10 @@ ap.add_argument("--bundle", default="build/flint")
 args = ap.parse_args()
 ONLY = set(args.m)
 # (rope, heads, M) of the fused calls
+# (the heads of M = 1, 16, 20, 25, 32, 33, 48, 56 and 64 are in configs/sanitize.yaml's bundle)
 CASES = ((True, (32, 4), 3), (False, (16, 2), 8), (True, (16, 8), 16), (True, (16, 8), 20),
-         (True, (32, 4), 32), (True, (16, 2), 33), (True, (32, 4), 64), (True, (16, 8), 1))  # fmt: skip
+         (True, (16, 8), 25), (True, (32, 4), 32), (True, (16, 8), 33), (True, (32, 4), 48),
+         (True, (16, 8), 56), (True, (32, 4), 64), (True, (16, 8), 1))  # fmt: skip
 loader.load_bundle(args.bundle)
 for design in [args.design] if args.design else ("prologue", "separate"):
     with loader.launch_options(design=design):
