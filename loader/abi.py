@@ -90,21 +90,23 @@ def ring_strides(weight_format: str) -> tuple[int, int, int]:
     return (HIDDEN // K_QUARTER * TOKEN_GROUP * s, s, TOKEN_GROUP * s)
 
 
-# * the 32- and 64-token NVFP4 kernels (two-kernel design), whose MMAs read x as wgmma operands: each group's
-#   K quarter as K-major tiles with the 128-byte swizzle, 8 atoms of 8 rows (tokens) x 128 bytes; logical
+# * the 32- and 64-token kernels (two-kernel design), whose MMAs read x as wgmma operands: each group's K
+#   quarter as K-major tiles with the 128-byte swizzle, 8 atoms of 8 rows (tokens) x 128 bytes; logical
 #   16-byte chunk 4 i + j of token n's row holds, at word t, MMA pair j of the 8 k that lane t reads at MMA
-#   step i (gemv_core.fp4_x_k), stored at (chunk // 8) KB + n * 128 + ((chunk % 8) ^ n) * 16 bytes: 8 KB a
-#   group and quarter, no pad, one bulk copy (xn_pairs 2; `row`: the 128-byte row, in elements).
+#   step i, stored at (chunk // 8) KB + n * 128 + ((chunk % 8) ^ n) * 16 bytes: 8 KB a group and quarter, no
+#   pad, one bulk copy (`row`: the 128-byte row, in elements). NVFP4 (xn_pairs 2): k0 = gemv_core.fp4_x_k,
+#   pair j = (k0 + j, k0 + j + 4); BF16 (xn_pairs 3): step i is k block i, k0 = gemv_core.bf16_x_k, pair
+#   j = (k0 + 2 j, k0 + 2 j + 1).
 WG_QUARTER = TOKEN_GROUP * K_QUARTER  # elements of a group's K quarter in that layout (8 KB)
 WG_STRIDES = (HIDDEN // K_QUARTER * WG_QUARTER, 64, WG_QUARTER)
 
 
 def wgmma_stream(qkv: dict | None) -> bool:
-    """The qkv kernel of spec `qkv` is the 32- or 64-token NVFP4 kernel of the two-kernel design, which reads
-    xn in the WG_STRIDES layout (docs/kernels.md §2.6)."""
+    """The qkv kernel of spec `qkv` is a 32- or 64-token kernel of the two-kernel design, which reads xn in
+    the WG_STRIDES layout (docs/kernels.md §2.6)."""
     if not qkv or qkv.get("norm", "separate") != "separate" or qkv.get("debug_mma_stream"):
         return False  # (debug_mma_stream: a research build of the mma.sync stream for A/B runs, never served)
-    return qkv.get("weight_format") == "nvfp4" and qkv.get("max_m", 8) in (32, 64)
+    return qkv.get("max_m", 8) in (32, 64)
 
 
 def xn_strides(qkv: dict | None = None) -> tuple[int, int, int]:
@@ -125,11 +127,11 @@ def xn_pairs(qkv: dict | None = None) -> int:
     order of its NVFP4 MMA pairs (k0, k0 + 4, k0 + 1, k0 + 5, .., k0 + 3, k0 + 7): the two-kernel design with
     NVFP4 weights, whose norm kernel then writes it so, once, instead of every warp of every CTA permuting
     every fragment it reads (4 byte permutes a 16-byte load); 2 where those pairs go to the wgmma tiles of
-    WG_STRIDES (wgmma_stream); else 0 (plain order)."""
+    WG_STRIDES (wgmma_stream), 3 where BF16's plain pairs do; else 0 (plain order)."""
     if qkv is None or qkv.get("norm", "separate") != "separate":
         return 0
     if wgmma_stream(qkv):
-        return 2
+        return 2 if qkv["weight_format"] == "nvfp4" else 3
     return int(qkv["weight_format"] == "nvfp4")
 
 

@@ -22,8 +22,8 @@ MANIFEST_NAME = "manifest.json"
 # an NVFP4 qkv kernel the norm kernel writes each 8 elements of xn in the MMA pair order (loader.abi.xn_pairs,
 # a norm kernel parameter), which that qkv kernel no longer makes itself; 5: the 32-token NVFP4 qkv kernel of
 # the two-kernel design reads xn as wgmma tiles (loader.abi.WG_STRIDES, xn_pairs 2); 6: so does the 64-token
-# one
-SCHEMA_VERSION = 6
+# one; 7: and so do the BF16 kernels of 32 and 64 tokens (xn_pairs 3)
+SCHEMA_VERSION = 7
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")
 

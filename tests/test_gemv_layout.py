@@ -106,7 +106,7 @@ def test_the_streams_xn_is_its_ring_layout(fmt, tile, m):
     if m > tile:
         pytest.skip("the loader runs the smallest tile that holds M")
     if abi.wgmma_stream(abi.qkv_spec(fmt, True, 16, 2, max_m=tile)):
-        pytest.skip("wgmma tiles: test_the_32_token_nvfp4_xn_is_wgmma_tiles")
+        pytest.skip("wgmma tiles: test_the_32_and_64_token_xn_is_wgmma_tiles")
     s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=tile))
     row = abi.stream_row(fmt)
     assert s == (32 * row, row, 8 * row) and row * 2 % 16 == 0
@@ -125,24 +125,31 @@ def test_the_streams_xn_is_its_ring_layout(fmt, tile, m):
     assert len(seen) == m * 256
 
 
-def _wg_stores(strides, t):
+def _wg_stores(strides, t, fmt="nvfp4"):
     """The norm kernel's wgmma-tile stores of token t (NormKernel.store_wg): {element offset: the 8 k it
-    holds}, from the index arithmetic of its 256 threads and of their 3 shuffle rounds."""
+    holds}, from the index arithmetic of its 256 threads and of their 3 shuffle rounds (NVFP4: the MMA pair
+    order and the t & 2 swap; BF16: plain pairs, the 4 threads of a step consecutive lanes)."""
     group, row, quarter = strides
     out = {}
     for q in range(4):
         for half in range(2):  # a warp: 32 threads of one quarter
             lanes = range(32)
             cq = {ln: 32 * half + ln for ln in lanes}
-            tq = {ln: (cq[ln] // 4) % 4 for ln in lanes}
-            step = {ln: (cq[ln] // 16) * 4 + ((cq[ln] % 4) ^ (tq[ln] & 2)) for ln in lanes}
             k0 = {ln: 512 * q + 8 * cq[ln] for ln in lanes}
-            words = {ln: [(k0[ln] + j, k0[ln] + j + 4) for j in range(4)] for ln in lanes}  # MMA pairs
+            if fmt == "nvfp4":
+                tq = {ln: (cq[ln] // 4) % 4 for ln in lanes}
+                step = {ln: (cq[ln] // 16) * 4 + ((cq[ln] % 4) ^ (tq[ln] & 2)) for ln in lanes}
+                words = {ln: [(k0[ln] + j, k0[ln] + j + 4) for j in range(4)] for ln in lanes}  # MMA pairs
+                partner = lambda ln, r: ln ^ (4 * r ^ (r & 2))  # noqa: E731
+            else:
+                tq = {ln: cq[ln] % 4 for ln in lanes}
+                step = {ln: cq[ln] // 4 for ln in lanes}
+                words = {ln: [(k0[ln] + 2 * j, k0[ln] + 2 * j + 1) for j in range(4)] for ln in lanes}
+                partner = lambda ln, r: ln ^ r  # noqa: E731
             held = {ln: list(words[ln]) for ln in lanes}
-            for r in range(1, 4):  # round r: lane ^ (4 r ^ (r & 2)) sends its word t ^ r
+            for r in range(1, 4):  # round r: the partner sends its word t ^ r
                 for ln in lanes:
-                    src = ln ^ (4 * r ^ (r & 2))
-                    held[ln][tq[ln] ^ r] = words[src][tq[ln]]
+                    held[ln][tq[ln] ^ r] = words[partner(ln, r)][tq[ln]]
             for ln in lanes:
                 c, n = 4 * step[ln] + tq[ln], t % 8
                 o = (t // 8) * group + q * quarter + (c // 8) * 8 * row + n * row + ((c % 8) ^ n) * 8
@@ -151,25 +158,27 @@ def _wg_stores(strides, t):
 
 
 @needs_dsl
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("m,tile", [(17, 32), (24, 32), (25, 32), (32, 32), (33, 64), (57, 64), (64, 64)])
-def test_the_32_and_64_token_nvfp4_xn_is_wgmma_tiles(m, tile):
-    """The two-kernel design's 32- and 64-token NVFP4 kernels read xn as wgmma tiles (loader.abi.WG_STRIDES,
+def test_the_32_and_64_token_xn_is_wgmma_tiles(m, tile, fmt):
+    """The two-kernel design's 32- and 64-token kernels read xn as wgmma tiles (loader.abi.WG_STRIDES,
     docs/kernels.md §2.6), 128-byte swizzled: the norm's stores of every token are 16-byte aligned, distinct,
     inside xn_numel, inside the token's own 128-byte lines, and each 16-byte chunk is what the MMAs read
     there: word t of token n's chunk 4 i + j is MMA pair j of the 8 k that lane t reads at step i
-    (gemv_core.fp4_x_k), at ((4 i + j) // 8) KB + 128 n + 16 (((4 i + j) % 8) ^ n) of its group and quarter's
-    8 KB (ldmatrix reads matrix j of step i there; the wgmma's k16 slice of chain h is chunks 4 i + 2 h and
-    + 1, 32 contiguous bytes before the swizzle)."""
-    from flint_aot.kernels.gemv_core import fp4_x_k
+    (gemv_core.fp4_x_k: (k0 + j, k0 + j + 4); gemv_core.bf16_x_k, step i = k block i: (k0 + 2 j, + 1)), at
+    ((4 i + j) // 8) KB + 128 n + 16 (((4 i + j) % 8) ^ n) of its group and quarter's 8 KB (ldmatrix reads
+    matrix j of step i there; the wgmma's k16 slice of chain h is chunks 4 i + 2 h and + 1, 32 contiguous
+    bytes before the swizzle)."""
+    from flint_aot.kernels.gemv_core import bf16_x_k, fp4_x_k
 
-    spec = abi.qkv_spec("nvfp4", True, 16, 2, max_m=tile)
+    spec = abi.qkv_spec(fmt, True, 16, 2, max_m=tile)
     s = abi.xn_strides(spec)
-    assert s == abi.WG_STRIDES and abi.xn_pairs(spec) == 2
+    assert s == abi.WG_STRIDES and abi.xn_pairs(spec) == (2 if fmt == "nvfp4" else 3)
     n_el = abi.xn_numel(m, s)
     assert n_el == -(-m // 8) * 8 * 2048
     seen = {}
     for t in range(m):
-        stores = _wg_stores(s, t)
+        stores = _wg_stores(s, t, fmt)
         assert len(stores) == 256
         for o, ks in stores.items():
             assert o % 8 == 0 and 0 <= o and o + 8 <= n_el and o not in seen
@@ -183,5 +192,10 @@ def test_the_32_and_64_token_nvfp4_xn_is_wgmma_tiles(m, tile):
                     c = 4 * i + j
                     o = g * s[0] + q * s[2] + (c // 8) * 512 + n * 64 + ((c % 8) ^ n) * 8
                     for lane_t in range(4):
-                        k0 = fp4_x_k(lane_t, i, 512 * q)
-                        assert seen[o][2 * lane_t : 2 * lane_t + 2] == [k0 + j, k0 + j + 4]
+                        if fmt == "nvfp4":
+                            k0 = fp4_x_k(lane_t, i, 512 * q)
+                            want = [k0 + j, k0 + j + 4]
+                        else:
+                            k0 = bf16_x_k(lane_t, i, 512 * q)
+                            want = [k0 + 2 * j, k0 + 2 * j + 1]
+                        assert seen[o][2 * lane_t : 2 * lane_t + 2] == want

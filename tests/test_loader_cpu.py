@@ -423,16 +423,16 @@ def test_manifest_cluster_policy_round_trip_and_refusals():
 def test_a_bundle_of_the_previous_xn_layout_is_refused_with_the_fix():
     """A bundle of schema 2 (built before the norm kernel wrote xn in the layout its qkv kernel reads), 3
     (before it wrote NVFP4's xn in the MMA pair order), 4 (before the 32-token NVFP4 kernel read it as wgmma
-    tiles) or 5 (before the 64-token one did) would run with this loader's layouts and give wrong results or
-    fail at launch; its manifest is refused at load, and the message says how to fix it (no GPU, no DSL: the
-    manifest alone)."""
+    tiles), 5 (before the 64-token one did) or 6 (before the BF16 ones did) would run with this loader's
+    layouts and give wrong results or fail at launch; its manifest is refused at load, and the message says
+    how to fix it (no GPU, no DSL: the manifest alone)."""
     from loader.manifest import SCHEMA_VERSION, Manifest, ManifestError
 
-    assert SCHEMA_VERSION == 6
+    assert SCHEMA_VERSION == 7
     d = {"schema_version": 2, "generator": "flint-aot 0.1.0", "dsl_version": "4.8.1", "config": {},
          "kernels": []}  # fmt: skip
-    for old in (2, 3, 4, 5):
-        msg = rf"schema version {old}, this loader reads version 6; rebuild"
+    for old in (2, 3, 4, 5, 6):
+        msg = rf"schema version {old}, this loader reads version 7; rebuild"
         with pytest.raises(ManifestError, match=msg):
             Manifest.from_dict(dict(d, schema_version=old))
-    assert Manifest.from_dict(dict(d, schema_version=6)).schema_version == 6
+    assert Manifest.from_dict(dict(d, schema_version=7)).schema_version == 7

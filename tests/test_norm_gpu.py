@@ -154,10 +154,10 @@ def test_bad_arguments_raise_before_launch(gpu_bundle):
 def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     """The norm kernel writing the layout a two-kernel qkv kernel reads (loader.abi.xn_strides: the 8-token
     kernels' padded rows, the token stream's ring; loader.abi.xn_pairs: for NVFP4 each 8 elements in the
-    MMA pair order k0, k0 + 4, k0 + 1, k0 + 5, .., and for the 32- and 64-token NVFP4 kernels those pairs
-    in the wgmma tiles of loader.abi.WG_STRIDES), launched by name into a NaN-poisoned buffer with guard
-    bands: every token's values land at their offsets with the bits of the op's plain-row xn; the pads, the
-    rows of tokens past M in the ring's last group and the guard bands stay NaN."""
+    MMA pair order k0, k0 + 4, k0 + 1, k0 + 5, .., and for the 32- and 64-token kernels those pairs (BF16:
+    plain pairs) in the wgmma tiles of loader.abi.WG_STRIDES), launched by name into a NaN-poisoned buffer
+    with guard bands: every token's values land at their offsets with the bits of the op's plain-row xn; the
+    pads, the rows of tokens past M in the ring's last group and the guard bands stay NaN."""
     import loader
     from loader import abi
 
@@ -165,7 +165,7 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     want, want_res = loader.fused_add_rms_norm(x, r, w, 1e-6)
     spec = abi.qkv_spec(fmt, True, 16, 2, max_m=tile)
     s, pairs = abi.xn_strides(spec), abi.xn_pairs(spec)
-    assert pairs == (0 if fmt == "bf16" else 2 if tile in (32, 64) else 1)
+    assert pairs == (3 if fmt == "bf16" else 2) if tile in (32, 64) else pairs == (0 if fmt == "bf16" else 1)
     n, guard = abi.xn_numel(m, s), 4096
     buf = torch.full((n + 2 * guard,), float("nan"), device="cuda").bfloat16()
     res_out = torch.full_like(x, float("nan"))
@@ -177,7 +177,7 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     t = torch.arange(m, device="cuda")[:, None]
     k = torch.arange(2048, device="cuda")[None, :]
     j = k % 8  # k's slot in its chunk: plain, or the pair order (k0 + j at 2 j, k0 + 4 + j at 2 j + 1)
-    slot = torch.where(j < 4, 2 * j, 2 * (j - 4) + 1) if pairs else j
+    slot = torch.where(j < 4, 2 * j, 2 * (j - 4) + 1) if pairs in (1, 2) else j
     off = guard + (t // 8) * s[0] + (t % 8) * s[1] + (k // 512) * s[2] + (k % 512 - j + slot)
     if pairs == 2:  # k's 16-byte chunk cq of its quarter is lane tq's at MMA step i; pair j % 4 of it goes to
         # word tq of logical chunk 4 i + j % 4 of token n's row, swizzled (docs/kernels.md §2.6)
@@ -185,6 +185,13 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
         tq = cq // 4 % 4
         c = 4 * (cq // 16 * 4 + (cq % 4 ^ tq & 2)) + j % 4
         within = c // 8 * 512 + n * 64 + (c % 8 ^ n) * 8 + tq * 2 + j // 4
+        off = guard + (t // 8) * s[0] + (k // 512) * s[2] + within
+    if pairs == 3:  # BF16: k's chunk cq of its quarter is lane cq % 4's at step (k block) cq // 4; its pair
+        # j // 2 goes to word cq % 4 of logical chunk 4 (cq // 4) + j // 2, swizzled
+        cq, n = k % 512 // 8, t % 8
+        tq = cq % 4
+        c = 4 * (cq // 4) + j // 2
+        within = c // 8 * 512 + n * 64 + (c % 8 ^ n) * 8 + tq * 2 + j % 2
         off = guard + (t // 8) * s[0] + (k // 512) * s[2] + within
     assert torch.equal(buf[off], want), "a value not at its layout's offset"
     rest = torch.ones_like(buf, dtype=torch.bool)

@@ -59,7 +59,7 @@ def test_instrumented_kernels_compile_and_read_the_timer(tmp_path, fmt, tile):
     # T0..T6; the token stream (no T4: its groups' ends instead) reads, in its group loop, each group's x-in
     # moment and MMAs' end, and in its epilogue loop T5 and T6 (the last group's sums in, its stores issued)
     timers = 7 if tile == 8 else 8
-    if (fmt, tile) == ("nvfp4", 64):  # the wgmma stream (straight-line fours): T0-T2, T5, T6; T3 and 8
+    if tile == 64:  # the wgmma stream (straight-line fours): T0-T2, T5, T6; T3 and 8
         # reads in each four (group 4 h's x in and MMAs' end, the pass's three x-in and three ends); 2 in each
         # of its mma.sync loops (the groups after one pass, and the fewer-group path)
         timers = 5 + (1 + 8 + 8) + 2 + 2

@@ -127,10 +127,11 @@ class SharedX:
 
 
 class TiledX(SharedX):
-    """The NVFP4 x of one token-stream ring stage as wgmma tiles (loader.abi.WG_STRIDES; the caller has
-    waited for it), read by ldmatrix: matrix j of MMA step s is the 16-byte chunk 4 s + j of the 8 tokens'
-    rows, whose row g, word t is lane (g, t)'s MMA pair j of the k that fp4_x_k gives, i.e.
-    fp4_mma_partials' paired fragment of step s. `base`: the stage's shared address (an integer)."""
+    """The x of one token-stream ring stage as wgmma tiles (loader.abi.WG_STRIDES; the caller has waited for
+    it), read by ldmatrix: matrix j of MMA step s is the 16-byte chunk 4 s + j of the 8 tokens' rows, whose
+    row g, word t is lane (g, t)'s MMA pair j of the k that fp4_x_k (NVFP4) or bf16_x_k (BF16, step s = k
+    block s) gives, i.e. fp4_mma_partials' paired fragment of step s, or mma_partials' fragment of block s.
+    `base`: the stage's shared address (an integer)."""
 
     def __init__(self, base, lane):
         super().__init__(base, 0, None)
@@ -466,7 +467,7 @@ class CtaGemv:
         return scaled(self.fp4, st, reduce_rows(d, tid, red))
 
 
-# ----------------------------------------------------------------------------- wgmma (32-token NVFP4 stream)
+# ------------------------------------------------------------------------ wgmma (the 32- and 64-token stream)
 # wgmma.m64nNk16 of a warpgroup (the CTA's 4 warps, warp w the rows 16 w .. 16 w + 15) adds exactly what
 # mma.sync adds given the same A fragments, k permutation and order (benchmarks/wgmma_probe: every sum of six
 # inputs bit-identical; the stream's sums, tests/test_qkv_gpu.py), and reuses each A fragment for N tokens.
@@ -563,8 +564,9 @@ PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 # group i, all 128 rows of the head from the 8 CTAs (2 halves x 4 quarters), [group][quarter][row] fp32: the
 # same bytes, so PART_BYTES holds for both
 HEAD_ROWS = 2 * WARPS * ROWS
-# the wgmma stream: NVFP4 words whose A fragments stay in registers, per tile; the others are parked in shared
-# memory, since at 3 CTAs per SM (168 registers) 15 or 16 words beside N = 24's accumulators make ptxas
+# the wgmma stream: A's words (NVFP4: decoded code words; BF16: k blocks; 16 either way, 8 registers each)
+# that stay in registers, per tile; the others are parked in shared memory, since at 3 CTAs per SM (168
+# registers) 15 or 16 words beside N = 24's accumulators make ptxas
 # serialize the wgmma and spill (14: 162 registers at tile 32, 12: 160, both unserialized). Tile 32 keeps 12
 # (chosen when its pass was N = 32, where 14 serialized too; 14 measured since: -0.15..+0.12 us, mixed);
 # tile 64 takes 14: with 8 KB less of parked A its three CTAs fit the 196 KB carveout (with 12 they need
@@ -599,14 +601,14 @@ class StreamGemv:
         group, _, self.ring_quarter = ring_strides("nvfp4" if fp4 else "bf16")  # ring_x: xn's strides
         self.ring_quarters = group // self.ring_quarter  # (a group's quarter blocks, one after another)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
-        # the wgmma stream (NVFP4, the separate design's 32- and 64-token kernels, docs/kernels.md §2.6): x in
+        # the wgmma stream (both formats, the separate design's 32- and 64-token kernels, §2.6): x in
         # the wgmma's swizzled K-major tiles (xn in loader.abi.WG_STRIDES), one 8 KB bulk copy a group and
         # quarter into a ring of 4 stages; groups 4 h .. 4 h + 3: group 4 h by mma.sync (x by ldmatrix) as
         # soon as its x lands, then the other 3 in one wgmma pass (N = 24), A's words 0 .. wg_reg - 1 from
         # registers, the rest from a tile in shared memory (`park`); groups outside such a four by mma.sync
         self.wgmma = wgmma
         if wgmma:
-            assert fp4 and ring_x and paired and self.stages == 4, "wgmma: NVFP4, a ring of 4 stages"
+            assert ring_x and (paired or not fp4) and self.stages == 4, "wgmma: a ring of 4 stages"
             self.wg_reg = WG_REG[tile]
             group, _, self.ring_quarter = WG_STRIDES
             self.ring_quarters = group // self.ring_quarter
@@ -708,6 +710,13 @@ class StreamGemv:
         _, _, g, _ = lanes(tid)
         return partial_sums(self.fp4, st, x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0, self.paired)
 
+    def a_words(self, st):
+        """A's registers by word i and row half h: D[h][i], 4 registers (NVFP4: decoded words; BF16: the
+        16-byte loads of k block i, rows g and g + 8)."""
+        if self.fp4:
+            return st["D"]
+        return [{i: st["A"][i][h] for i in range(NB)} for h in range(2)]
+
     def park(self, st, xs, tid):
         """wgmma stream, after start: this thread's A fragments of words wg_reg .. 15 (both rows) into A's
         tile in shared memory, K-major without swizzle: row r = 16 w + g (+ 8), word t of core matrix
@@ -715,9 +724,10 @@ class StreamGemv:
         the async proxy and syncs the CTA before the pass."""
         warp, _, g, t = lanes(tid)
         xb = xs.toint()
+        D = self.a_words(st)
         for i in range(self.wg_reg, FP4_WORDS):
             for h in range(2):
-                regs = st["D"][h][i]
+                regs = D[h][i]
                 for j in range(4):
                     row = self.a_off + (2 * warp + h) * self.a_sbo + g * 16 + t * 4
                     off = row + (4 * (i - self.wg_reg) + j) * WG_CORE
@@ -728,6 +738,8 @@ class StreamGemv:
         mma.sync sequence (fp4_mma_partials itself), x from the stage's tiles (TiledX); A: all 16 words from
         registers. (tok and m are unused for x in shared memory.)"""
         x = TiledX(xs.toint() + stage * self.stage_bytes, lanes(tid)[1])
+        if not self.fp4:  # (x in shared memory: the accumulators start from a plain 0)
+            return mma_partials(st["A"], x, 0, tid, Int32(0))
         return fp4_mma_partials(st["D"], x, 0, tid, None, paired=True)
 
     def wg_pass(self, st, xs, n: int, first: int = 0):
@@ -740,7 +752,7 @@ class StreamGemv:
         adesc = wg_desc(xb + self.a_off, self.a_sbo)
         acc = wg_fence([z] * n)
         acc = [acc[: n // 2], acc[n // 2 :]]
-        D = st["D"]
+        D = self.a_words(st)
         for i in range(FP4_WORDS):
             for h in range(2):
                 db = bdesc + Int64(sw128_chunk(4 * i + 2 * h, 0) >> 4)  # (chunks 4 i + 2 h and + 1: 32 bytes)

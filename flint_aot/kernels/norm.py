@@ -72,7 +72,9 @@ class NormKernel(Kernel):
         xo = ((row // TOKEN_GROUP) * xn_group + (row % TOKEN_GROUP) * xn_row
               + (tid // QUARTER_CHUNKS) * xn_quarter + (tid % QUARTER_CHUNKS) * NORM_VEC)
         if xn_pairs == 2:  # the wgmma stream's 128-byte swizzled tiles (loader.abi.WG_STRIDES)
-            self.store_wg(xn, y, row, tid, xn_group, xn_row, xn_quarter)
+            self.store_wg(xn, y, row, tid, xn_group, xn_row, xn_quarter, False)
+        elif xn_pairs == 3:  # the same tiles, BF16's k order
+            self.store_wg(xn, y, row, tid, xn_group, xn_row, xn_quarter, True)
         elif xn_pairs != 0:  # (loader.abi.xn_pairs: the NVFP4 qkv kernel's MMA pair order)
             device.store_vec(xn + cute.assume(xo, divby=NORM_VEC), device.mma_pairs(y), NORM_VEC)
         else:
@@ -80,20 +82,26 @@ class NormKernel(Kernel):
         if cutlass.const_expr(self.residual):
             device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)
 
-    def store_wg(self, xn, y, row, tid, xn_group, xn_row, xn_quarter):
-        """xn in the wgmma stream's layout (loader.abi.WG_STRIDES). This thread's chunk (k0 = 512 q + 128 c +
-        32 t + 8 u') is what lane t of a quad reads at MMA step i = 4 c + (u' ^ (t & 2)); its MMA pair j goes
-        to word t of the step's logical 16-byte chunk 4 i + j of the token's row. The 4 threads of a step
-        (lanes 4 t + (u ^ (t & 2)) of a 16-lane half) swap words by 3 butterfly shuffles (round r: lane ^
-        (4 r ^ (r & 2)), the thread of t ^ r), so that thread t writes chunk 4 i + t whole, 16 bytes at
+    def store_wg(self, xn, y, row, tid, xn_group, xn_row, xn_quarter, bf16: bool):
+        """xn in the wgmma stream's layout (loader.abi.WG_STRIDES). NVFP4: this thread's chunk (k0 = 512 q +
+        128 c + 32 t + 8 u') is what lane t of a quad reads at MMA step i = 4 c + (u' ^ (t & 2)); BF16: k0 =
+        512 q + 32 i + 8 t, lane t's at step i (k block i). Its MMA pair j (NVFP4's pair order, BF16's plain
+        pairs) goes to word t of the step's logical 16-byte chunk 4 i + j of the token's row. The 4 threads of
+        a step (NVFP4: lanes 4 t + (u ^ (t & 2)) of a 16-lane half; BF16: 4 consecutive lanes) swap words by
+        3 butterfly shuffles (round r: lane ^ (4 r ^ (r & 2)), BF16 lane ^ r: the thread of t ^ r), so that
+        thread t writes chunk 4 i + t whole, 16 bytes at
         (chunk // 8) KB + token * 128 + ((chunk % 8) ^ token) * 16 bytes: every 128-byte line is one token's
         (written as 4 bytes into lines shared by 8 tokens' CTAs, xn cost 0.3-0.55 us a layer more,
         BENCHMARKS.md §2 step 20)."""
         cq = tid % QUARTER_CHUNKS
-        tq = (cq // 4) % 4
-        i = (cq // 16) * 4 + ((cq % 4) ^ (tq & 2))
+        if bf16:
+            tq = cq % 4
+            i = cq // 4
+        else:
+            tq = (cq // 4) % 4
+            i = (cq // 16) * 4 + ((cq % 4) ^ (tq & 2))
         p = cute.make_rmem_tensor(cute.make_layout(NORM_VEC), cutlass.BFloat16)
-        p.store(device.mma_pairs(y))
+        p.store(y if bf16 else device.mma_pairs(y))
         w = cute.recast_tensor(p, Int32)
         words = [w[j] for j in range(4)]
         out = list(words)
@@ -101,7 +109,7 @@ class NormKernel(Kernel):
             give = words[3]
             for j in range(3):  # words[tq ^ r]
                 give = cutlass.select_((tq ^ r) == j, words[j], give)
-            got = cute.arch.shuffle_sync_bfly(give, 4 * r ^ (r & 2))
+            got = cute.arch.shuffle_sync_bfly(give, r if bf16 else 4 * r ^ (r & 2))
             for j in range(4):
                 out[j] = cutlass.select_((tq ^ r) == j, got, out[j])
         c = 4 * i + tq

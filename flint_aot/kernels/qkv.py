@@ -85,7 +85,7 @@ class QkvKernel(Kernel):
             stages = 2 if self.prologue else (core.STAGES if self.tile > 32 else self.tile // GROUP)
             # (the separate design's norm kernel writes x in the ring layout: one bulk copy per group)
             sep = not self.prologue
-            self.wgmma = wgmma_stream(spec)  # NVFP4's 32- and 64-token kernels (docs/kernels.md §2.6)
+            self.wgmma = wgmma_stream(spec)  # the 32- and 64-token kernels (docs/kernels.md §2.6)
             if self.wgmma:
                 stages = 4  # (groups 4 h .. 4 h + 3 in stages 0..3)
             self.core = core.StreamGemv(self.fp4, self.tile, core.FP4_PRE_QKV, stages, read_barriers=sep,
@@ -301,7 +301,7 @@ class QkvKernel(Kernel):
                              issued=None if self.fp4 else first)  # fmt: skip
         if cutlass.const_expr(self.fp4):
             first()
-        if cutlass.const_expr(self.wgmma):
+        if cutlass.const_expr(self.wgmma and self.fp4):  # (BF16 parks in wg_four)
             self.stream_park(a, t, s, st)
         scale = self.cache_scale(a, t)
         if cutlass.const_expr(self.prologue):
@@ -372,7 +372,7 @@ class QkvKernel(Kernel):
                 for i in cutlass.range_constexpr(self.core.stages):
                     if GROUP * i < a.m:
                         self.core.fill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
-            if cutlass.const_expr(not self.wgmma):  # (wgmma: after the park, stream_park)
+            if cutlass.const_expr(not (self.wgmma and self.fp4)):  # (NVFP4's wgmma: after the park)
                 self.stream_meta(a, t, s)
 
     def wg_pass(self) -> bool:
@@ -382,7 +382,7 @@ class QkvKernel(Kernel):
 
     @cute.jit
     def stream_park(self, a, t, s, st):
-        """The wgmma stream, once the weights are decoded: with 4 groups or more, A's parked words
+        """NVFP4's wgmma stream, once the weights are decoded: with 4 groups or more, A's parked words
         (gemv_core.StreamGemv.park) fenced for the wgmma's async proxy, and a CTA barrier; then warp 0 stages
         the slots and positions (after the barrier: its loads would hold the other warps there, 0.1 us a
         layer, BENCHMARKS.md §2 step 20)."""
@@ -479,6 +479,11 @@ class QkvKernel(Kernel):
         code (h is a constant: a loop over h at run time spilled 25 registers)."""
         cute.arch.mbarrier_wait(s.mbx, h)
         d = self.core.ring_partials(st, s.xs, 0, t.tid)
+        if cutlass.const_expr(h == 0 and not self.fp4):  # BF16 parks A's words here: its weights arrive after
+            # the wait, and group 0's MMAs meet them as they come (parked first, group 0 would wait for all)
+            self.core.park(st, s.xs, t.tid)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
         if cutlass.const_expr(h == 0 and self.groups > 4):
             if 4 < groups:
                 self.core.refill(s.xs, s.mbx, a.x, q, 0, a.m, t.tid)
@@ -523,8 +528,8 @@ class QkvKernel(Kernel):
         groups = (a.m + (GROUP - 1)) // GROUP
         warp, lane, _, _ = device.lanes(t.tid)
         dims = [4 * lane + j for j in range(4)]
-        if cutlass.const_expr(self.wgmma and self.groups > 4):  # NVFP4's global scale read again here: held
-            st["gs"] = core.global_scale(a.global_scale)  # from the start, ptxas spilled it at 64 tokens
+        if cutlass.const_expr(self.fp4 and self.wgmma and self.groups > 4):  # NVFP4's global scale read again
+            st["gs"] = core.global_scale(a.global_scale)  # here: held from the start, ptxas spilled it
         wn, wp = self.norm_weights(a, t, dims)
         if cutlass.const_expr(self.rope):
             if not t.is_v:
