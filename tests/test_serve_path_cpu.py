@@ -193,9 +193,12 @@ def test_kernel_parameters_are_bound_by_name(monkeypatch):
             assert na["residual_out"] == r.data_ptr() and a["x"] == na["xn"] != c["x"].data_ptr()
             assert a["residual"] == a["residual_out"] == a["norm_weight"] == a["has_residual"] == 0
             # xn in the layout the qkv kernel reads: the 8-token kernels' padded rows (2080 elements for
-            # BF16), the token stream's ring above 8 tokens (a group's K quarter contiguous, rows of 544)
-            strides = (na["xn_group"], na["xn_row"], na["xn_quarter"])
-            assert strides == ((8 * 2080, 2080, 512) if m <= 8 else (32 * 544, 544, 8 * 544)), (m, strides)
+            # BF16), the 16-token kernel's ring (a group's K quarter contiguous, rows of 544), the 32- and
+            # 64-token kernels' wgmma tiles (8 KB a group's K quarter, BF16's pairs: xn_pairs 3)
+            strides = (na["xn_group"], na["xn_row"], na["xn_quarter"], na["xn_pairs"])
+            want = ((8 * 2080, 2080, 512, 0) if m <= 8 else (32 * 544, 544, 8 * 544, 0) if m <= 16
+                    else (4 * 4096, 64, 4096, 3))  # fmt: skip
+            assert strides == want, (m, strides)
     dry.launched.clear()
     loader.rms_norm(c["x"], c["norm_weight"], 1e-6)  # the op's xn: plain rows
     ((ne, na, _),) = dry.launched
