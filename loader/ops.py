@@ -210,7 +210,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
         c = dict(consts, has_residual=int(has_res), **({} if has_res else {"residual": 0}))
         launches = [(k, symbols, c, renames)]
     else:  # the norm kernel writes xn, which the qkv kernel reads as x, in the layout it reads
-        strides = abi.xn_strides(k.entry.spec)  # (the token stream's: its ring layout)
+        strides = abi.xn_strides(k.entry.spec)  # (the token stream's: its ring layout or wgmma tiles)
         p.xn = abi.xn_numel(m, strides)
         c = dict(consts, residual=0, residual_out=0, norm_weight=0, has_residual=0, eps=0.0)
         nc = _xn_layout(strides, abi.xn_pairs(k.entry.spec)) | ({} if has_res else {"residual": 0})

@@ -566,11 +566,11 @@ PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 HEAD_ROWS = 2 * WARPS * ROWS
 # the wgmma stream: A's words (NVFP4: decoded code words; BF16: k blocks; 16 either way, 8 registers each)
 # that stay in registers, per tile; the others are parked in shared memory, since at 3 CTAs per SM (168
-# registers) 15 or 16 words beside N = 24's accumulators make ptxas
-# serialize the wgmma and spill (14: 162 registers at tile 32, 12: 160, both unserialized). Tile 32 keeps 12
-# (chosen when its pass was N = 32, where 14 serialized too; 14 measured since: -0.15..+0.12 us, mixed);
-# tile 64 takes 14: with 8 KB less of parked A its three CTAs fit the 196 KB carveout (with 12 they need
-# 228 KB, and gave back 0.3-0.45 us a layer of the passes' gain; BENCHMARKS.md §2 step 21)
+# registers) 15 or 16 words beside N = 24's accumulators make ptxas serialize the wgmma and spill (14: 162
+# registers at tile 32, 12: 160, both unserialized). Tile 32 keeps 12 (chosen when its pass was N = 32, where
+# 14 serialized too; 14 measured since: -0.15..+0.12 us, mixed); tile 64 takes 14: with 8 KB less of parked A
+# its three CTAs fit the 196 KB carveout (with 12 they need 228 KB, and gave back 0.3-0.45 us a layer of the
+# passes' gain; BENCHMARKS.md §2 step 21)
 WG_REG = {32: 12, 64: 14}
 TOKEN_WORDS = WARPS * HEAD_ROWS  # one group's buffer (words)
 
