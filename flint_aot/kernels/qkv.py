@@ -475,8 +475,12 @@ class QkvKernel(Kernel):
         """The wgmma stream's groups 4 h .. 4 h + 3, in ring stages 0..3 (their fill h): group 4 h by
         mma.sync as soon as its x lands, then the other three in one wgmma pass (N = 24). In the 64-token
         kernel's first four each stage, once read, is refilled with the group 4 ahead, if there is one (stage
-        0 after group 0's MMAs, so that group 4's x arrives during the pass). Two passes of 32 `wgmma` in the
-        code (h is a constant: a loop over h at run time spilled 25 registers)."""
+        0 after group 0's MMAs, so that group 4's x arrives during the pass; stages 1-3 after the pass),
+        each after a CTA barrier: refilled on the stages' "read" mbarriers instead, ptxas could no longer
+        prove the warps converged and gave every shuffle after them a collective path (168 registers, 500
+        more instructions; 0.2-0.5 us a layer slower, BENCHMARKS.md §2 step 22). BF16's park barrier is
+        group 0's. Two passes of 32 `wgmma` in the code (h is a constant: a loop over h at run time spilled
+        25 registers)."""
         cute.arch.mbarrier_wait(s.mbx, h)
         d = self.core.ring_partials(st, s.xs, 0, t.tid)
         if cutlass.const_expr(h == 0 and not self.fp4):  # BF16 parks A's words here: its weights arrive after
@@ -485,30 +489,35 @@ class QkvKernel(Kernel):
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
         if cutlass.const_expr(h == 0 and self.groups > 4):
-            if 4 < groups:
-                self.core.refill(s.xs, s.mbx, a.x, q, 0, a.m, t.tid)
+            if cutlass.const_expr(self.fp4):  # (BF16: the park's barrier above)
+                cute.arch.sync_threads()
+            if 4 < groups and t.tid < GROUP:
+                self.core.fill(s.xs, s.mbx, a.x, q, 4, a.m, t.tid)
         self.core.send_tokens(s.red, s.mbr, d, 4 * h, t.rank, t.tid)
         for j in cutlass.range_constexpr(1, 4):
             cute.arch.mbarrier_wait(s.mbx + j, h)
         ds = self.core.wg_pass(st, s.xs, GROUP * 3, 1)
         if cutlass.const_expr(h == 0 and self.groups > 4):
+            cute.arch.sync_threads()
             for j in cutlass.range_constexpr(1, 4):
-                if j + 4 < groups:
-                    self.core.refill(s.xs, s.mbx, a.x, q, j, a.m, t.tid)
+                if j + 4 < groups and t.tid < GROUP:
+                    self.core.fill(s.xs, s.mbx, a.x, q, j + 4, a.m, t.tid)
         for j in cutlass.range_constexpr(1, 4):
             self.core.send_tokens(s.red, s.mbr, ds[j - 1], 4 * h + j, t.rank, t.tid)
 
     @cute.jit
     def ring_groups(self, a, t, s, st, q, groups, start: cutlass.Constexpr):
         """The wgmma stream's groups start .. groups - 1 one after another by mma.sync, x by ldmatrix from
-        their ring stages' tiles (the 64-token kernel's stages refilled with the group 4 ahead once read)."""
+        their ring stages' tiles (sm_100a's 64-token kernel: its stages refilled with the group 4 ahead once
+        read; on sm_90a groups 4.. come after wg_four's refills, and none is refilled again)."""
         for i in cutlass.range(start, groups, unroll=1):
             if cutlass.const_expr(self.core.refills):
                 stage = i % self.core.stages
                 cute.arch.mbarrier_wait(s.mbx + stage, (i // self.core.stages) % 2)
                 d = self.core.ring_partials(st, s.xs, stage, t.tid)
-                if i + self.core.stages < groups:
-                    self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
+                if cutlass.const_expr(not self.wg_pass()):  # (compiled in, the branch alone brings the
+                    if i + self.core.stages < groups:  # collective paths of wg_four's docstring back)
+                        self.core.refill(s.xs, s.mbx, a.x, q, i, a.m, t.tid)
             else:  # (a ring of every group)
                 cute.arch.mbarrier_wait(s.mbx + i, 0)
                 d = self.core.ring_partials(st, s.xs, i, t.tid)
