@@ -677,9 +677,11 @@ class StreamGemv:
     @cute.jit
     def refill(self, xs, mbx, x, q, i, m, tid):
         """After group i's MMAs: group i + stages into stage i % stages once every warp is done with it.
-        With read barriers (`refills`, the fused 64-token ring) every thread arrives on the stage's "read"
-        mbarrier (release: its fragment reads come before the copies); only the copying threads (tid < 8)
-        wait for all 128 and copy; the other warps go on without a CTA barrier. The warp barrier after it
+        With read barriers (`refills`: the fused 64-token ring of the mma.sync stream, and sm_100a's, whose
+        wgmma-tile kernels run every group by mma.sync; sm_90a's wgmma fours refill after CTA barriers,
+        docs/kernels.md §2.6) every thread arrives on the stage's "read" mbarrier (release: its fragment
+        reads come before the copies); only the copying threads (tid < 8) wait for all 128 and copy; the
+        other warps go on without a CTA barrier. The warp barrier after it
         makes warp 0 whole again before its next shuffles and MMAs: without it ptxas could no longer prove
         warp 0 converged (168 registers instead of 159, every shuffle given a collective fallback; NVFP4 up to
         1.2 us slower at M = 64, BENCHMARKS.md). Otherwise a CTA barrier first (the standalone GEMV; in the
