@@ -139,7 +139,7 @@ PATCHES = [
         "                d = self.core.partials(st, self.core.stage(s.xs, s.mbx, i, wait=False), i, a.m, t.tid)\n"
         + _GROUP_END,
     ),
-    # the wgmma stream (NVFP4, 32 and 64 tokens): group 4 h by mma.sync, then the pass of the other three (their
+    # the wgmma stream (both formats, 32 and 64 tokens): group 4 h by mma.sync, then the pass of the other three (their
     # x in: after the pass's waits; their MMAs done: when the pass's sums are), and the mma.sync groups
     (
         "flint_aot/kernels/qkv.py",
