@@ -6,8 +6,8 @@ bundle (only the variants compared are needed), then
     PYTHONPATH=. python3 benchmarks/ab_bundles.py --bundles build/a build/b [--heads 32x4 16x2] [--m 1 8]
         [--fmt bf16 nvfp4] [--designs separate prologue] [--op qkv gemv]
 
-A bundle given as `path@policy` (`build/a@load_balancing`) launches every cluster kernel with that
-scheduling policy (default, spread, load_balancing) instead of its manifest's.
+Another cluster scheduling policy is another bundle: a diagnostic build of the same config with
+`diagnostics: {cluster_policy: spread}` (docs/config.md).
 
 Prints one markdown row per (op, heads, weights, M, bundle, design): µs per layer, first and second pass, and
 whether its results (q and the cache of every layer, or y) are bit-identical to the first bundle's.
@@ -16,7 +16,6 @@ without the norm, the cluster and the epilogue.
 """
 
 import argparse
-import os
 
 import torch
 from bench_qkv import LayerChain, gemv_layers, median_graph_us  # (benchmarks/ is the script's directory)
@@ -47,11 +46,8 @@ def results(chain: LayerChain, op: str, m: int, design: str) -> list:
 
 
 def use(b: str) -> None:
-    """Serve from bundle b, "path" or "path@policy": every cluster kernel launched with that scheduling policy
-    (default, spread, load_balancing) instead of its manifest's (loader.runtime.cluster_policy)."""
-    path, _, policy = b.partition("@")
-    os.environ["FLINT_CLUSTER_POLICY"] = policy
-    loader.load_bundle(path)
+    """Serve from bundle b."""
+    loader.load_bundle(b)
 
 
 def main():

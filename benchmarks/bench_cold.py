@@ -61,7 +61,7 @@ for kind, spec in (("qkv", abi.qkv_spec("bf16", True, 32, 4, "bf16", "prologue")
                    ("gemv", abi.gemv_spec("bf16")),
                    ("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(True))):
     name = abi.spec_name(kind, spec)
-    t0 = time.perf_counter(); kernel_class(kind)(spec).compile("sm_90a", entry_prefix(name))
+    t0 = time.perf_counter(); kernel_class(kind)(spec, "sm_90a").compile("sm_90a", entry_prefix(name))
     t[f"compile {name}"] = time.perf_counter() - t0
 print(json.dumps(t))
 """

@@ -65,7 +65,6 @@ class Row:
 class BuildResult:
     out: Path
     rows: list[Row] = field(default_factory=list)
-    skipped: list[Specialization] = field(default_factory=list)  # kinds with no kernel in this version
 
     @property
     def compiled(self) -> int:
@@ -81,7 +80,6 @@ class Plan:
     out: Path
     cache: Path
     todo: list[Specialization]  # every specialization to put in the bundle, in bundle order
-    skipped: list[Specialization]
     cached: dict[str, Row]  # label -> row, for those the cache already holds
     pending: list[tuple[Specialization, str]]  # (spec, cache key) still to compile
     dsl: str
@@ -158,10 +156,10 @@ def key_source(s: Specialization, src: str, records: dict) -> str:
 
 
 def build_key(s: Specialization, src: str, dsl: str) -> str:
-    blob = json.dumps(
-        {"kind": s.kind, "name": s.name, "spec": s.spec, "arch": s.arch, "src": src, "dsl": dsl},
-        sort_keys=True,
-    )
+    what = {"kind": s.kind, "name": s.name, "spec": s.spec, "arch": s.arch, "src": src, "dsl": dsl}
+    if s.diagnostics:  # (a diagnostic build's cubins are other cubins)
+        what["diagnostics"] = dict(s.diagnostics)
+    blob = json.dumps(what, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -182,7 +180,6 @@ def _entry(s: Specialization, key: str, cubin: bytes, meta: dict) -> KernelEntry
         cluster=tuple(meta["cluster"]),
         cluster_policy=str(meta.get("cluster_policy", "")),
         dyn_smem=int(meta["dyn_smem"]),
-        dyn_smem_per_m=int(meta["dyn_smem_per_m"]),
         grid=tuple(meta["grid"]),
         params=tuple(Param(*p) for p in meta["params"]),
         build_key=key,
@@ -333,8 +330,8 @@ def check_cache_dir(cache: Path) -> None:
 def _compile_command(s: Specialization, work: Path) -> list[str]:
     plugin = [json.dumps({"module": s.plugin[0], "class": s.plugin[1]})] if s.plugin else []
     return [
-        sys.executable, "-m", "flint_aot.compile_one",
-        s.kind, json.dumps(s.spec), s.arch, kernels.entry_prefix(s.name), str(work), *plugin,
+        sys.executable, "-m", "flint_aot.compile_one", s.kind, json.dumps(s.spec), s.arch,
+        kernels.entry_prefix(s.name), str(work), json.dumps(dict(s.diagnostics)), *plugin,
     ]  # fmt: skip
 
 
@@ -472,10 +469,7 @@ def prepare(
     check_output_path(out)
     cache = Path(cache_dir).absolute() if cache_dir else default_cache_dir().absolute()
     check_cache_dir(cache)
-    specs = expand(config)
-    todo = [s for s in specs if kernels.implemented(s.kind, s.spec)]
-    if not todo:
-        raise BuildError(f"{config_path}: none of the requested kernels is implemented in this version")
+    todo = expand(config)
     src, dsl = kernels.source_hash(), dsl_version()
     records = plugins.check(config, config_path, stop) if "plugins" in config else {}  # (a subprocess)
     if records is None:
@@ -497,8 +491,7 @@ def prepare(
             cached[s.label] = Row(s, "cached", entry, 0.0, hit[0])
         else:
             pending.append((s, key))
-    skipped = [s for s in specs if not kernels.implemented(s.kind, s.spec)]
-    return Plan(Path(config_path), config, out, cache, todo, skipped, cached, pending, dsl, records)
+    return Plan(Path(config_path), config, out, cache, todo, cached, pending, dsl, records)
 
 
 def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) -> BuildResult:
@@ -554,7 +547,7 @@ def execute(plan: Plan, jobs: int = 1, progress=None, stop: Stop | None = None) 
             "(if any) is untouched:\n" + "\n".join(errors)
         )
 
-    result = BuildResult(out=plan.out, skipped=plan.skipped, rows=[rows[s.label] for s in plan.todo])
+    result = BuildResult(out=plan.out, rows=[rows[s.label] for s in plan.todo])
     manifest = Manifest(
         generator=f"flint-aot {__version__}",
         dsl_version=plan.dsl,

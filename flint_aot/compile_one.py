@@ -1,7 +1,8 @@
 """Compile one specialization; run as its own process by the builder (a DSL crash kills only it).
 
-    python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR [PLUGIN_JSON]
+    python -m flint_aot.compile_one KIND SPEC_JSON ARCH ENTRY_PREFIX OUT_DIR DIAGNOSTICS_JSON [PLUGIN_JSON]
 
+DIAGNOSTICS_JSON is the config's diagnostics section ({} for a serving build; built-in kinds only).
 PLUGIN_JSON ({"module": ..., "class": ...}) names a plugin kind's kernel class, imported with
 $FLINT_AOT_PLUGIN_PATH appended to sys.path; its grid rule is the caller's (loader.abi.CALLER_GRID).
 Writes OUT_DIR/kernel.cubin, OUT_DIR/kernel.ptx and OUT_DIR/meta.json. Started by the builder in its own
@@ -54,7 +55,7 @@ def _refused(e: OSError, path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    kind, spec_json, arch, prefix, out, *plugin = argv
+    kind, spec_json, arch, prefix, out, diag_json, *plugin = argv
     _die_with_builder()
     # Never let the DSL guess the target from a (missing) GPU: the arch is always explicit.
     os.environ["CUTE_DSL_ARCH"] = arch
@@ -66,14 +67,16 @@ def main(argv: list[str]) -> int:
 
         p, grid = json.loads(plugin[0]), CALLER_GRID
         sys.path.append(os.environ.get("FLINT_AOT_PLUGIN_PATH", "."))
-        cls = getattr(importlib.import_module(p["module"]), p["class"])
+        make = getattr(importlib.import_module(p["module"]), p["class"])
     else:
         from flint_aot.kernels import kernel_class
+        from flint_aot.kernels.diagnostics import Diagnostics
 
-        cls = kernel_class(kind)
+        cls, diag = kernel_class(kind), Diagnostics.from_config(json.loads(diag_json))
+        make = lambda spec: cls(spec, arch, diag)  # noqa: E731
     t0 = time.perf_counter()
     try:
-        c = cls(json.loads(spec_json)).compile(arch, prefix, grid)
+        c = make(json.loads(spec_json)).compile(arch, prefix, grid)
     except OSError as e:  # a file the compile writes (the DSL's cubin in TMPDIR) could not be written
         _refused(e, e.filename or "a file in " + out)
     secs = time.perf_counter() - t0
@@ -87,7 +90,6 @@ def main(argv: list[str]) -> int:
         "cluster_policy": c.cluster_policy,
         "grid": list(c.grid),
         "dyn_smem": c.dyn_smem,
-        "dyn_smem_per_m": c.dyn_smem_per_m,
         "compile_seconds": round(secs, 3),
     }
     _write(os.path.join(out, "meta.json"), json.dumps(meta))

@@ -38,9 +38,10 @@ from loader.abi import KINDS, KV_CACHE_DTYPES, M_TILES, MAX_M, NORM_MODES, WEIGH
 
 ARCHS = tuple(abi.ARCH_CC)
 MAX_HEADS = 128
-# norm.debug_spin_cycles: a debug build of the norm kernel that busy-waits this many clock cycles before
-# writing xn (a slow producer; proves that the qkv kernel waits for it). Never for serving.
+# diagnostics.norm_spin_cycles: a diagnostic build of the norm kernel that busy-waits this many clock cycles
+# before writing xn (a slow producer; proves that the qkv kernel waits for it). Never for serving.
 MAX_SPIN = 1 << 31
+DIAGNOSTIC_CLUSTER_POLICIES = ("default", "spread", "load_balancing")
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")  # a plugin's kind and spec axes
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
 _TOKEN = re.compile(r"[A-Za-z0-9_]+\Z")  # a plugin spec's string value (it becomes part of file names)
@@ -58,6 +59,8 @@ class Specialization:
     spec: dict
     arch: str
     plugin: tuple = ()  # a plugin's (module, class attribute): compiled from that module's class
+    # the config's diagnostics (built-in kinds only): what a diagnostic build asks of the kernels
+    diagnostics: tuple = ()  # ((key, value), ...), sorted
 
     @property
     def label(self) -> str:
@@ -144,17 +147,11 @@ class _Checker:
 def validate(raw, source: str = "<config>") -> dict:
     """Check a parsed config and return it normalized (plain lists, canonical order of keys)."""
     c = _Checker(source)
-    c.mapping(raw, "", {"archs": True, **{k: False for k in KINDS}, "plugins": False})
+    c.mapping(raw, "", {"archs": True, **{k: False for k in KINDS}, "plugins": False, "diagnostics": False})
     out = {"archs": list(c.choices(raw["archs"], "archs", ARCHS))}
     if "norm" in raw:
-        n = c.mapping(raw["norm"], "norm", {"residual": True, "debug_spin_cycles": False})
+        n = c.mapping(raw["norm"], "norm", {"residual": True})
         out["norm"] = {"residual": list(c.bools(n["residual"], "norm.residual"))}
-        if "debug_spin_cycles" in n:
-            v = n["debug_spin_cycles"]
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SPIN:
-                c.fail("norm.debug_spin_cycles", v, f"an integer in 0..{MAX_SPIN} (0 = off)")
-            if v:
-                out["norm"]["debug_spin_cycles"] = v
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
                                           "kv_cache_dtype": False, "norm": False,
@@ -192,6 +189,10 @@ def validate(raw, source: str = "<config>") -> dict:
     _servable(out, source)
     if "plugins" in out:
         _unique_names(out, source)
+    if "diagnostics" in raw:
+        d = _diagnostics(c, raw["diagnostics"])
+        if d:
+            out["diagnostics"] = d
     return out
 
 
@@ -329,13 +330,34 @@ def load_config(path: str | Path) -> dict:
     return validate(raw, str(path))
 
 
+def _diagnostics(c, raw) -> dict:
+    """The diagnostics section, normalized (keys that ask for nothing dropped): build-side switches of a
+    diagnostic bundle (docs/config.md), never for serving."""
+    d = c.mapping(raw, "diagnostics", {"timeline": False, "norm_spin_cycles": False, "cluster_policy": False})
+    out = {}
+    if d.get("timeline", False) not in (True, False):
+        c.fail("diagnostics.timeline", d["timeline"], "true or false")
+    if d.get("timeline"):
+        out["timeline"] = True
+    v = d.get("norm_spin_cycles", 0)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SPIN:
+        c.fail("diagnostics.norm_spin_cycles", v, f"an integer in 0..{MAX_SPIN} (0 = off)")
+    if v:
+        out["norm_spin_cycles"] = v
+    if "cluster_policy" in d:
+        if d["cluster_policy"] not in DIAGNOSTIC_CLUSTER_POLICIES:
+            c.fail("diagnostics.cluster_policy", d["cluster_policy"],
+                   " or ".join(DIAGNOSTIC_CLUSTER_POLICIES))  # fmt: skip
+        out["cluster_policy"] = d["cluster_policy"]
+    return out
+
+
 def expand(config: dict) -> list[Specialization]:
     """Every (kernel, specialization, arch) of a validated config, in a stable order."""
     specs: list[tuple[str, dict]] = []
     if "norm" in config:
-        spin = config["norm"].get("debug_spin_cycles")
         for res in config["norm"]["residual"]:
-            specs.append(("norm", {**abi.norm_spec(res), **({"debug_spin_cycles": spin} if spin else {})}))
+            specs.append(("norm", abi.norm_spec(res)))
     if "qkv" in config:
         q = config["qkv"]
         axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
@@ -348,7 +370,8 @@ def expand(config: dict) -> list[Specialization]:
     g = config.get("qk_norm_rope_cache", {})
     for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
         specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))
-    out = [Specialization(kind, spec_name(kind, spec), spec, arch) for kind, spec in specs
+    diag = tuple(sorted(config.get("diagnostics", {}).items()))
+    out = [Specialization(kind, spec_name(kind, spec), spec, arch, diagnostics=diag) for kind, spec in specs
            for arch in config["archs"]]  # fmt: skip
     for kind, p in config.get("plugins", {}).items():
         plugin = (p["module"], p.get("class", "KERNEL"))

@@ -152,11 +152,10 @@ def _check_one(src: str, kind: str, p: dict) -> dict:
             raise ConfigError(f"{where}.class: {name}'s kernel has a parameter named {taken[0]!r}, a keyword "
                               "of loader.launch_kernel; rename the parameter")  # fmt: skip
         dims = (*k.block, *k.cluster)
-        if len(dims) != 6 or not all(type(d) is int and d > 0 for d in dims) or k.dyn_smem_per_m or not (
+        if len(dims) != 6 or not all(type(d) is int and d > 0 for d in dims) or not (
                 type(k.dyn_smem) is int and k.dyn_smem >= 0):  # fmt: skip
             raise ConfigError(f"{where}.class: {name} (spec {spec}) needs block and cluster of three "
-                              "positive ints, dyn_smem an int >= 0 and no dyn_smem_per_m "
-                              "(docs/plugins.md §2)")  # fmt: skip
+                              "positive ints and dyn_smem an int >= 0 (docs/plugins.md §2)")  # fmt: skip
         bad = cluster_policy_problem(k.cluster_policy, k.cluster)
         if bad:
             raise ConfigError(f"{where}.class: {name}: {bad} (docs/plugins.md §2)")

@@ -69,7 +69,7 @@ def x_row_pad(weight_format: str) -> int:
     """Elements that pad each row of x in the GEMV kernels' shared memory (and in the xn they copy from), so
     that the 16-byte fragments the lanes of a quad read at once from rows g and g + 1 fall in different banks:
     BF16 a row stride of 64 mod 128 bytes; NVFP4, whose lanes t and t + 2 read words in swapped order, 16 mod
-    128 (flint_aot/kernels/gemv_core.py)."""
+    128 (flint_aot/kernels/mma.py, fp4.py)."""
     return 8 if weight_format == "nvfp4" else 32
 
 
@@ -94,8 +94,8 @@ def ring_strides(weight_format: str) -> tuple[int, int, int]:
 #   quarter as K-major tiles with the 128-byte swizzle, 8 atoms of 8 rows (tokens) x 128 bytes; logical
 #   16-byte chunk 4 i + j of token n's row holds, at word t, MMA pair j of the 8 k that lane t reads at MMA
 #   step i, stored at (chunk // 8) KB + n * 128 + ((chunk % 8) ^ n) * 16 bytes: 8 KB a group and quarter, no
-#   pad, one bulk copy (`row`: the 128-byte row, in elements). NVFP4 (xn_pairs 2): k0 = gemv_core.fp4_x_k,
-#   pair j = (k0 + j, k0 + j + 4); BF16 (xn_pairs 3): step i is k block i, k0 = gemv_core.bf16_x_k, pair
+#   pad, one bulk copy (`row`: the 128-byte row, in elements). NVFP4 (xn_pairs 2): k0 = kernels.fp4.fp4_x_k,
+#   pair j = (k0 + j, k0 + j + 4); BF16 (xn_pairs 3): step i is k block i, k0 = kernels.mma.bf16_x_k, pair
 #   j = (k0 + 2 j, k0 + 2 j + 1).
 WG_QUARTER = TOKEN_GROUP * K_QUARTER  # elements of a group's K quarter in that layout (8 KB)
 WG_STRIDES = (HIDDEN // K_QUARTER * WG_QUARTER, 64, WG_QUARTER)
@@ -103,9 +103,9 @@ WG_STRIDES = (HIDDEN // K_QUARTER * WG_QUARTER, 64, WG_QUARTER)
 
 def wgmma_stream(qkv: dict | None) -> bool:
     """The qkv kernel of spec `qkv` is a 32- or 64-token kernel of the two-kernel design, which reads xn in
-    the WG_STRIDES layout (docs/kernels.md §2.6)."""
-    if not qkv or qkv.get("norm", "separate") != "separate" or qkv.get("debug_mma_stream"):
-        return False  # (debug_mma_stream: a research build of the mma.sync stream for A/B runs, never served)
+    the WG_STRIDES layout (docs/kernels.md §2.6; on sm_100a, which has no wgmma, by mma.sync)."""
+    if not qkv or qkv.get("norm", "separate") != "separate":
+        return False
     return qkv.get("max_m", 8) in (32, 64)
 
 
@@ -173,8 +173,7 @@ def spec_name(kind: str, spec: dict) -> str:
     kv = "" if spec.get("kv_cache_dtype", "bf16") == "bf16" else "_kvfp8"
     tile = "" if spec.get("max_m", 8) == 8 else f"_m{spec['max_m']}"
     if kind == "norm":
-        spin = spec.get("debug_spin_cycles")
-        return f"norm_res{int(spec['residual'])}" + (f"_spin{spin}" if spin else "")
+        return f"norm_res{int(spec['residual'])}"
     if kind == "qkv":
         q, k = spec["heads"]
         pro = "_prologue" if spec.get("norm") == "prologue" else ""

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from loader import runtime
-from loader.abi import F32_MAX, MAX_M
+from loader.abi import F32_MAX
 from loader.ops import _options, _raw_stream
 
 _RANGE = {"i32": (-(1 << 31), (1 << 31) - 1), "i64": (-(1 << 63), (1 << 63) - 1), "f32": (-F32_MAX, F32_MAX)}
@@ -37,7 +37,7 @@ class _Plan:
         e, g = k.entry, tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, (tuple, list)) else ()
         if len(g) != 3 or not all(type(d) is int and 0 < d <= top for d, top in zip(g, _GRID_MAX)):  # noqa: B905
             raise ValueError(f"grid must be 1 to 3 ints within {_GRID_MAX}, got {grid!r}")
-        sym, top = {"SMEM": e.smem(MAX_M) if smem is None else smem}, e.smem(MAX_M)
+        sym, top = {"SMEM": e.dyn_smem if smem is None else smem}, e.dyn_smem
         for d, rule, c in zip(g, e.grid, e.cluster, strict=True):
             if d % c or not isinstance(rule, str) and d != rule:
                 raise ValueError(f"grid {g} does not fit {self.kind}'s rule {e.grid} and cluster {e.cluster}")

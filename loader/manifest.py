@@ -22,8 +22,9 @@ MANIFEST_NAME = "manifest.json"
 # an NVFP4 qkv kernel the norm kernel writes each 8 elements of xn in the MMA pair order (loader.abi.xn_pairs,
 # a norm kernel parameter), which that qkv kernel no longer makes itself; 5: the 32-token NVFP4 qkv kernel of
 # the two-kernel design reads xn as wgmma tiles (loader.abi.WG_STRIDES, xn_pairs 2); 6: so does the 64-token
-# one; 7: and so do the BF16 kernels of 32 and 64 tokens (xn_pairs 3)
-SCHEMA_VERSION = 7
+# one; 7: and so do the BF16 kernels of 32 and 64 tokens (xn_pairs 3); 8: entries without dyn_smem_per_m
+# (always 0), and a diagnostic build says so in its config's `diagnostics` section, not in kernel specs
+SCHEMA_VERSION = 8
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")
 
@@ -66,12 +67,7 @@ class KernelEntry:
     params: tuple[Param, ...]
     build_key: str  # hash of (kernel source, DSL version, specialization, arch): the build cache key
     registers: int = 0  # REGCOUNT read from the cubin (informational)
-    dyn_smem_per_m: int = 0  # dynamic shared memory per token: a launch for M tokens asks dyn_smem + M x this
     cluster_policy: str = ""  # the clusters' scheduling policy (CLUSTER_POLICIES; "": the driver's default)
-
-    def smem(self, m: int) -> int:
-        """Dynamic shared memory (bytes) of a launch for m tokens."""
-        return self.dyn_smem + m * self.dyn_smem_per_m
 
     def param_offsets(self) -> list[tuple[int, int]]:
         """(offset, size) of each parameter in the kernel's parameter buffer (natural C alignment)."""
@@ -257,7 +253,6 @@ def _entry_fields(d: dict, where: str) -> KernelEntry:
         params=params,
         build_key=_str(d, "build_key", where),
         registers=_int(d, "registers", where, default=0),
-        dyn_smem_per_m=_int(d, "dyn_smem_per_m", where),
         cluster_policy=_str(d, "cluster_policy", where, default=""),
     )
     bad = cluster_policy_problem(e.cluster_policy, e.cluster)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver as cu
 
-from loader.abi import ARCH_CC, MAX_M, NORM_MODES
+from loader.abi import ARCH_CC, NORM_MODES
 from loader.bundle import REBUILD, Bundle, BundleError
-from loader.manifest import CLUSTER_POLICIES, KernelEntry
+from loader.manifest import KernelEntry
 
 _PACKAGED_BUNDLE = Path(__file__).resolve().parent / "_bundle"  # installed by `flint-aot pack`
 _DEFAULT_BUNDLE = Path(__file__).resolve().parent.parent / "build" / "flint"  # a source checkout
@@ -111,10 +111,10 @@ def load_bundle(path: str | os.PathLike | None = None) -> Bundle:
     if path is None:
         path = os.environ.get("FLINT_AOT_BUNDLE") or packaged_bundle() or _DEFAULT_BUNDLE
     b = Bundle.open(path)
-    debug = sorted({k for e in b.manifest.kernels for k in e.spec if k.startswith("debug_")})
-    if debug:
-        warnings.warn(f"bundle {b.path} holds debug kernels ({', '.join(debug)}): never serve with it",
-                      stacklevel=2)  # fmt: skip
+    diagnostics = b.manifest.config.get("diagnostics")
+    if diagnostics:
+        warnings.warn(f"bundle {b.path} is a diagnostic build ({', '.join(sorted(diagnostics))}): never "
+                      "serve with it", stacklevel=2)  # fmt: skip
     with _lock:
         _bundle = b
         _generation += 1
@@ -148,8 +148,8 @@ def select_entry(bundle: Bundle, cc: tuple[int, int], kind: str, spec: dict) -> 
             f"{', '.join(archs) or 'nothing'}. Add the architecture to `archs` in the config and rebuild "
             "with `flint-aot build CONFIG -o BUNDLE`"
         )
-    for e in bundle.manifest.kernels:  # a debug build (debug_* spec keys) serves the same calls
-        if e.arch == arch and e.kind == kind and spec == {k: v for k, v in e.spec.items() if k[:6] != "debug_"}:  # noqa: E501
+    for e in bundle.manifest.kernels:
+        if e.arch == arch and e.kind == kind and spec == e.spec:
             return e
     have = sorted({_spec_str(e.spec) for e in bundle.manifest.kernels if e.kind == kind and e.arch == arch})
     raise LookupError(
@@ -179,9 +179,8 @@ def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
     whatever bundle or path names it, and never unloaded: another thread's launcher or plan, or a captured
     CUDA graph, may launch it after any load_bundle."""
     global _module_loads
-    most = entry.smem(entry.spec.get("max_m", MAX_M))  # dynamic shared memory at the kernel's largest M
     key = (dev, entry.sha256, entry.size, entry.arch, entry.entry, entry.params, entry.block, entry.cluster,
-           most)  # fmt: skip
+           entry.dyn_smem)  # fmt: skip
     if key in _modules:
         return _modules[key]
     image = bundle.read(entry)  # sha256 and ELF checked against the manifest
@@ -196,9 +195,9 @@ def _load_module(dev: int, entry: KernelEntry, bundle: Bundle):
             if entry.cluster != (1, 1, 1):
                 a = attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
                 _check(cu.cuFuncSetAttribute(fn, a, 1), "cuFuncSetAttribute(non-portable cluster)")
-            if most > 0:  # (the carveout is the driver's choice, per launch)
+            if entry.dyn_smem > 0:  # (the carveout is the driver's choice, per launch)
                 a = attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _check(cu.cuFuncSetAttribute(fn, a, most), "cuFuncSetAttribute(dynamic smem)")
+                _check(cu.cuFuncSetAttribute(fn, a, entry.dyn_smem), "cuFuncSetAttribute(dynamic smem)")
         except Exception:
             cu.cuModuleUnload(module)
             raise
@@ -254,11 +253,10 @@ class Launcher:
             c.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
             c.value.clusterDim.x, c.value.clusterDim.y, c.value.clusterDim.z = e.cluster
             attrs.append(c)
-            policy = cluster_policy(e)
-            if policy:
+            if e.cluster_policy:  # (the manifest's; "" is the driver's default)
                 s = cu.CUlaunchAttribute()
                 s.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
-                s.value.clusterSchedulingPolicyPreference = _POLICY[policy]
+                s.value.clusterSchedulingPolicyPreference = _POLICY[e.cluster_policy]
                 attrs.append(s)
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)
@@ -315,8 +313,8 @@ class Launcher:
                               f"{REBUILD}")  # fmt: skip
         consts_in_order = operator.itemgetter(*const_names) if len(const_names) > 1 else (
             lambda d: tuple(map(d.__getitem__, const_names)))  # fmt: skip
-        g, seen, per_m = self.entry.grid, {}, self.entry.smem
-        smem = (lambda sym: sym["SMEM"]) if "SMEM" in symbols else (lambda sym: per_m(sym["M"]))
+        g, seen, dyn = self.entry.grid, {}, self.entry.dyn_smem
+        smem = (lambda sym: sym["SMEM"]) if "SMEM" in symbols else (lambda sym: dyn)
 
         def grid(sym: dict) -> tuple:  # (grid x, y, z, dynamic shared memory bytes) from the manifest's rule
             key = tuple(sym.values())  # (one tuple per distinct grid: a dictionary hit after the first)
@@ -367,17 +365,6 @@ class Launcher:
             return cu.cuLaunchKernelEx(cfg, self.function, self._argv_addr, 0)[0]
         finally:
             cu.cuCtxPopCurrent()
-
-
-def cluster_policy(e: KernelEntry) -> str:
-    """The scheduling policy a cluster kernel is launched with: the manifest's, unless FLINT_CLUSTER_POLICY
-    (default, spread or load_balancing; read when a launcher is built, so set it before load_bundle) overrides
-    it for every cluster kernel: a research switch (benchmarks/ab_bundles.py's `path@policy`), never needed to
-    serve."""
-    policy = os.environ.get("FLINT_CLUSTER_POLICY") or e.cluster_policy
-    if policy not in ("default", *CLUSTER_POLICIES):
-        raise ValueError(f"FLINT_CLUSTER_POLICY={policy!r}: use default, spread or load_balancing")
-    return "" if policy == "default" else policy
 
 
 def thread_cache() -> dict:

@@ -74,10 +74,10 @@ def count_table(counts=None) -> list[str]:
 
 # ============================================================================= the bundle's kernels
 class Kernels:
-    """What kernels a bundle has for one architecture: (kind, spec) pairs, debug_* keys dropped."""
+    """What kernels a bundle has for one architecture: (kind, spec) pairs."""
 
     def __init__(self, entries):
-        self.entries = [(k, {a: b for a, b in s.items() if not a.startswith("debug_")}) for k, s in entries]
+        self.entries = [(k, dict(s)) for k, s in entries]
 
     @classmethod
     def from_bundle(cls, bundle, arch: str) -> Kernels:

@@ -179,7 +179,7 @@ def test_default_config_is_accepted_and_its_kinds_compile(tmp_path):
     from flint_aot.builder import build, prepare
 
     plan = prepare(ROOT / "configs" / "flint.yaml", tmp_path / "b", cache_dir=tmp_path / "c")
-    assert not plan.skipped and len(plan.pending) == len(plan.todo) > 100
+    assert len(plan.pending) == len(plan.todo) > 100
     assert len({f"{s.name}.{s.arch}" for s in plan.todo}) == len(plan.todo)
     assert {s.kind for s in plan.todo} == {"norm", "qkv", "gemv", "qk_norm_rope_cache"}
     assert not (tmp_path / "c").exists() and not (tmp_path / "b").exists()  # prepare writes nothing

@@ -71,19 +71,34 @@ def test_a_config_from_which_an_op_could_not_run_is_refused(norm, missing):
     assert validate(raw)["qkv"]["norm"] == ["prologue"]
 
 
-def test_debug_spin_norm():
+def test_diagnostics_stay_on_the_build_side():
+    """A diagnostic build (the slow producer's spin, the timeline's trace points, a cluster policy for A/B
+    runs) names what it asks in the config's `diagnostics` section: its specializations and their names are
+    a serving bundle's (the loader selects kernels by spec alone), each carries the diagnostics into its
+    build (and cache key); a section that asks for nothing is dropped; bad values are refused by name."""
     cfg = load_config("configs/debug_slow_producer.yaml")
+    assert cfg["diagnostics"] == {"norm_spin_cycles": 2000000}
     norms = [s for s in expand(cfg) if s.kind == "norm"]
-    assert [s.name for s in norms] == ["norm_res1_spin2000000", "norm_res0_spin2000000"]
-    assert norms[0].spec == {"residual": True, "debug_spin_cycles": 2000000}
-    off = validate({"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": 0}})
-    assert expand(off)[0].spec == {"residual": True} and expand(off)[0].name == "norm_res1"
+    assert [s.name for s in norms] == ["norm_res1", "norm_res0"] and norms[0].spec == {"residual": True}
+    assert all(s.diagnostics == (("norm_spin_cycles", 2000000),) for s in expand(cfg))
+    timeline = load_config("configs/timeline.yaml")
+    assert timeline["diagnostics"] == {"timeline": True}
+    serving = {(s.kind, s.name) for s in expand(load_config("configs/flint.yaml"))}
+    assert {(s.kind, s.name) for s in expand(timeline)} <= serving
+    off = validate({"archs": ["sm_90a"], "diagnostics": {"norm_spin_cycles": 0, "timeline": False},
+                    "norm": {"residual": [True]}})  # fmt: skip
+    assert "diagnostics" not in off and expand(off)[0].diagnostics == ()
+    both = validate({"archs": ["sm_90a"], "diagnostics": {"cluster_policy": "spread", "timeline": True},
+                     "norm": {"residual": [True]}})  # fmt: skip
+    assert expand(both)[0].diagnostics == (("cluster_policy", "spread"), ("timeline", True))
+    base = {"archs": ["sm_90a"], "norm": {"residual": [True]}}
     for bad in (-1, True, 1.5, "10", 1 << 40):
-        _err(
-            {"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": bad}},
-            "norm.debug_spin_cycles",
-            "0..",
-        )
+        _err({**base, "diagnostics": {"norm_spin_cycles": bad}}, "diagnostics.norm_spin_cycles", "0..")
+    _err({**base, "diagnostics": {"timeline": "yes"}}, "diagnostics.timeline", "true or false")
+    _err({**base, "diagnostics": {"cluster_policy": "balanced"}}, "diagnostics.cluster_policy", "spread")
+    _err({**base, "diagnostics": {"spin": 5}}, "diagnostics.spin", "known keys")
+    old = {"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": 5}}
+    _err(old, "norm.debug_spin_cycles", "known keys")  # (the old key, in the product's spec, is gone)
 
 
 def test_valid_config_roundtrip():

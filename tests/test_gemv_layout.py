@@ -2,9 +2,10 @@
 every MMA step, each phase of a 16-byte shared load (8 consecutive lanes: g = 0, 1 and t = 0..3 of lanes
 4 g + t) must touch 8 different 16-byte bank groups, for both weight formats and both x layouts (the 8-token
 kernels' whole rows, smem_row; the token stream's quarter rows, stream_row). The offsets are the kernel's own
-functions (gemv_core.bf16_x_k / fp4_x_k); an NVFP4 order without the t & 2 swap fails here. And the layouts
-of xn, the norm kernel's output (loader.abi.xn_strides): plain rows, or the token stream's ring layout, in
-which each group's K quarter is one contiguous block (one bulk copy)."""
+functions (mma.bf16_x_k / fp4.fp4_x_k); an NVFP4 order without the t & 2 swap fails here. And the layouts
+of xn, the norm kernel's output (loader.abi.xn_strides): plain rows, the 16-token stream's ring layout, in
+which each group's K quarter is one contiguous block (one bulk copy), or the wgmma tiles, from the norm
+kernel's own index arithmetic (norm.wg_step, wg_partner, wg_offset)."""
 
 import pytest
 
@@ -31,11 +32,12 @@ def _phase_groups(offset, row_elems, step):
 @pytest.mark.parametrize("layout", ["tile8", "stream"])
 @needs_dsl
 def test_x_fragment_reads_are_conflict_free(fp4, layout):
-    from flint_aot.kernels import gemv_core as core
+    from flint_aot.kernels import fp4 as f4
+    from flint_aot.kernels import mma
 
-    row = core.smem_row(fp4) if layout == "tile8" else abi.stream_row("nvfp4" if fp4 else "bf16")
-    offset = core.fp4_x_k if fp4 else core.bf16_x_k
-    steps = core.FP4_WORDS if fp4 else core.NB
+    row = mma.smem_row(fp4) if layout == "tile8" else abi.stream_row("nvfp4" if fp4 else "bf16")
+    offset = f4.fp4_x_k if fp4 else mma.bf16_x_k
+    steps = f4.FP4_WORDS if fp4 else mma.NB
     for step in range(steps):
         for g0, groups in _phase_groups(offset, row, step).items():
             assert len(set(groups)) == 8, (layout, "step", step, "lanes of g", g0, g0 + 1, groups)
@@ -54,10 +56,10 @@ def test_the_rule_catches_the_unswapped_nvfp4_order():
 def test_each_lane_reads_every_word_once():
     """The swap is a permutation of a lane's steps: over its 16 steps, lane t reads each of its 16 words once,
     and the words are those of its chunks 4 c + t (32 k each)."""
-    from flint_aot.kernels import gemv_core as core
+    from flint_aot.kernels.fp4 import FP4_WORDS, fp4_x_k
 
     for t in range(4):
-        ks = sorted(core.fp4_x_k(t, i) for i in range(core.FP4_WORDS))
+        ks = sorted(fp4_x_k(t, i) for i in range(FP4_WORDS))
         want = sorted(128 * c + 32 * t + 8 * u for c in range(4) for u in range(4))
         assert ks == want, t
 
@@ -83,7 +85,7 @@ def test_the_ops_xn_is_plain_rows(spec):
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_the_8_token_kernels_xn_is_their_padded_rows(fmt):
     """The two-kernel design's 8-token kernels read xn as rows of tile8_row elements (2048 and the pad of
-    their shared memory, gemv_core.smem_row), one after another: m rows are one block of m x tile8_row
+    their shared memory, mma.smem_row), one after another: m rows are one block of m x tile8_row
     elements from the start, which one multicast copy brings into every CTA of the cluster; rows 16-byte
     aligned."""
     r = abi.tile8_row(fmt)
@@ -95,19 +97,17 @@ def test_the_8_token_kernels_xn_is_their_padded_rows(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-@pytest.mark.parametrize("tile", [16, 32, 64])
-@pytest.mark.parametrize("m", [9, 13, 16, 17, 40, 64])
-def test_the_streams_xn_is_its_ring_layout(fmt, tile, m):
-    """The two-kernel design's token stream reads xn in its ring layout: every (token, k) at its own offset
-    inside xn_numel; for each group of 8 tokens (n of them, the last group possibly fewer) and K quarter q,
-    its n rows are the n x stream_row elements from (4 g + q) x 8 x stream_row on, row j's 512 values first
-    and then the pad: exactly the block StreamGemv.fill brings into a ring stage with one bulk copy, and
-    16-byte aligned (a bulk copy's source)."""
-    if m > tile:
-        pytest.skip("the loader runs the smallest tile that holds M")
-    if abi.wgmma_stream(abi.qkv_spec(fmt, True, 16, 2, max_m=tile)):
-        pytest.skip("wgmma tiles: test_the_32_and_64_token_xn_is_wgmma_tiles")
-    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=tile))
+@pytest.mark.parametrize("m", range(9, 17))
+def test_the_16_token_streams_xn_is_its_ring_layout(fmt, m):
+    """The two-kernel design's 16-token stream (the only tile that reads it: those of 32 and 64 read wgmma
+    tiles, test_the_32_and_64_token_xn_is_wgmma_tiles) reads xn in its ring layout: every (token, k) at its
+    own offset inside xn_numel; for each group of 8 tokens (n of them, the last group possibly fewer) and K
+    quarter q, its n rows are the n x stream_row elements from (4 g + q) x 8 x stream_row on, row j's 512
+    values first and then the pad: exactly the block StreamGemv.fill brings into a ring stage with one bulk
+    copy, and 16-byte aligned (a bulk copy's source)."""
+    assert [t for t in abi.M_TILES if t > 8 and not abi.wgmma_stream(abi.qkv_spec(fmt, True, 16, 2,
+                                                                                   max_m=t))] == [16]
+    s = abi.xn_strides(abi.qkv_spec(fmt, True, 16, 2, max_m=16))
     row = abi.stream_row(fmt)
     assert s == (32 * row, row, 8 * row) and row * 2 % 16 == 0
     n_el = abi.xn_numel(m, s)
@@ -127,32 +127,31 @@ def test_the_streams_xn_is_its_ring_layout(fmt, tile, m):
 
 def _wg_stores(strides, t, fmt="nvfp4"):
     """The norm kernel's wgmma-tile stores of token t (NormKernel.store_wg): {element offset: the 8 k it
-    holds}, from the index arithmetic of its 256 threads and of their 3 shuffle rounds (NVFP4: the MMA pair
-    order and the t & 2 swap; BF16: plain pairs, the 4 threads of a step consecutive lanes)."""
+    holds}, run on integers through the kernel's own index arithmetic (norm.wg_step, wg_partner, wg_offset;
+    NVFP4's pair order device.MMA_PAIRS) for its 256 threads and their 3 shuffle rounds."""
+    from flint_aot.kernels.device import MMA_PAIRS
+    from flint_aot.kernels.norm import wg_offset, wg_partner, wg_step
+
     group, row, quarter = strides
+    bf16 = fmt == "bf16"
     out = {}
     for q in range(4):
         for half in range(2):  # a warp: 32 threads of one quarter
             lanes = range(32)
             cq = {ln: 32 * half + ln for ln in lanes}
             k0 = {ln: 512 * q + 8 * cq[ln] for ln in lanes}
-            if fmt == "nvfp4":
-                tq = {ln: (cq[ln] // 4) % 4 for ln in lanes}
-                step = {ln: (cq[ln] // 16) * 4 + ((cq[ln] % 4) ^ (tq[ln] & 2)) for ln in lanes}
-                words = {ln: [(k0[ln] + j, k0[ln] + j + 4) for j in range(4)] for ln in lanes}  # MMA pairs
-                partner = lambda ln, r: ln ^ (4 * r ^ (r & 2))  # noqa: E731
-            else:
-                tq = {ln: cq[ln] % 4 for ln in lanes}
-                step = {ln: cq[ln] // 4 for ln in lanes}
-                words = {ln: [(k0[ln] + 2 * j, k0[ln] + 2 * j + 1) for j in range(4)] for ln in lanes}
-                partner = lambda ln, r: ln ^ r  # noqa: E731
+            tq = {ln: wg_step(cq[ln], bf16)[0] for ln in lanes}
+            step = {ln: wg_step(cq[ln], bf16)[1] for ln in lanes}
+            order = range(8) if bf16 else MMA_PAIRS  # the thread's 8 k as 4 words of 2
+            words = {ln: [(k0[ln] + order[2 * j], k0[ln] + order[2 * j + 1]) for j in range(4)]
+                     for ln in lanes}  # fmt: skip
             held = {ln: list(words[ln]) for ln in lanes}
             for r in range(1, 4):  # round r: the partner sends its word t ^ r
                 for ln in lanes:
-                    held[ln][tq[ln] ^ r] = words[partner(ln, r)][tq[ln]]
+                    held[ln][tq[ln] ^ r] = words[ln ^ wg_partner(r, bf16)][tq[ln]]
             for ln in lanes:
                 c, n = 4 * step[ln] + tq[ln], t % 8
-                o = (t // 8) * group + q * quarter + (c // 8) * 8 * row + n * row + ((c % 8) ^ n) * 8
+                o = wg_offset((t // 8) * group + q * quarter, c, n, row)
                 out[o] = [k for pair in held[ln] for k in pair]
     return out
 
@@ -165,11 +164,12 @@ def test_the_32_and_64_token_xn_is_wgmma_tiles(m, tile, fmt):
     docs/kernels.md §2.6), 128-byte swizzled: the norm's stores of every token are 16-byte aligned, distinct,
     inside xn_numel, inside the token's own 128-byte lines, and each 16-byte chunk is what the MMAs read
     there: word t of token n's chunk 4 i + j is MMA pair j of the 8 k that lane t reads at step i
-    (gemv_core.fp4_x_k: (k0 + j, k0 + j + 4); gemv_core.bf16_x_k, step i = k block i: (k0 + 2 j, + 1)), at
+    (fp4.fp4_x_k: (k0 + j, k0 + j + 4); mma.bf16_x_k, step i = k block i: (k0 + 2 j, + 1)), at
     ((4 i + j) // 8) KB + 128 n + 16 (((4 i + j) % 8) ^ n) of its group and quarter's 8 KB (ldmatrix reads
     matrix j of step i there; the wgmma's k16 slice of chain h is chunks 4 i + 2 h and + 1, 32 contiguous
     bytes before the swizzle)."""
-    from flint_aot.kernels.gemv_core import bf16_x_k, fp4_x_k
+    from flint_aot.kernels.fp4 import fp4_x_k
+    from flint_aot.kernels.mma import bf16_x_k
 
     spec = abi.qkv_spec(fmt, True, 16, 2, max_m=tile)
     s = abi.xn_strides(spec)

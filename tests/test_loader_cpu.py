@@ -54,11 +54,11 @@ def test_arch_selection_and_missing_arch():
     from loader.manifest import KernelEntry, Manifest, Param
     from loader.runtime import select_entry
 
-    def entry(arch, res, **debug):
+    def entry(arch, res, **extra):
         return KernelEntry(
             "norm",
-            f"norm_res{int(res)}" + "".join(f"_{k}" for k in debug),
-            {"residual": res, **debug},
+            f"norm_res{int(res)}" + "".join(f"_{k}" for k in extra),
+            {"residual": res, **extra},
             arch,
             f"n.{arch}.cubin",
             1,
@@ -81,9 +81,10 @@ def test_arch_selection_and_missing_arch():
         select_entry(b, (8, 0), "norm", {"residual": True})
     with pytest.raises(LookupError, match="no qkv kernel"):
         select_entry(b, (10, 0), "qkv", {"weight_format": "bf16"})
-    # a debug build (debug_* spec keys) serves the same calls
-    d = Bundle(ROOT, Manifest("g", "4.8.1", {}, [entry("sm_90a", True, debug_spin_cycles=5)]))
-    assert select_entry(d, (9, 0), "norm", {"residual": True}).spec["debug_spin_cycles"] == 5
+    # a spec key the loader does not know is another kernel, never one to strip and serve
+    d = Bundle(ROOT, Manifest("g", "4.8.1", {}, [entry("sm_90a", True, spin_cycles=5)]))
+    with pytest.raises(LookupError, match="no norm kernel"):
+        select_entry(d, (9, 0), "norm", {"residual": True})
 
 
 def test_param_offsets_natural_alignment():
@@ -123,12 +124,11 @@ def _default_bundle_entries():
     for s in expand(load_config(ROOT / "configs" / "flint.yaml")):
         if s.arch != "sm_90a":
             continue
-        k = kernel_class(s.kind)(s.spec)
-        params = kernel_params(k.kernel, k.ptr_types())
+        k = kernel_class(s.kind)(s.spec, s.arch)
+        params = kernel_params(k.entry_point(), k.ptr_types())
         out.append(KernelEntry(s.kind, s.name, s.spec, s.arch, f"{s.name}.cubin", 1, "0" * 64, s.name,
                                k.block, k.cluster, 0, k.grid or GRID[s.kind],
-                               tuple(Param(*p) for p in params), "k",
-                               dyn_smem_per_m=k.dyn_smem_per_m))  # fmt: skip
+                               tuple(Param(*p) for p in params), "k"))  # fmt: skip
     return out
 
 
@@ -385,23 +385,18 @@ def _policies(cfg) -> list:
 
 def test_cluster_policy_is_launched_as_the_manifest_says(monkeypatch):
     """A cluster kernel's scheduling policy (the token stream's: load_balancing) becomes a launch attribute of
-    both PDL configs; none without one; FLINT_CLUSTER_POLICY overrides it for research, and a wrong name is
-    refused with the names it takes."""
+    both PDL configs; none without one. The manifest alone decides: no environment variable changes it (an
+    A/B build of another policy is a diagnostic build, docs/config.md)."""
     from loader.runtime import Launcher
 
-    monkeypatch.delenv("FLINT_CLUSTER_POLICY", raising=False)
+    monkeypatch.setenv("FLINT_CLUSTER_POLICY", "spread")  # (a research switch of earlier versions: ignored)
     for pdl in (True, False):
         assert _policies(Launcher._config(_cluster_entry("load_balancing"), pdl)) == [
             "CU_CLUSTER_SCHEDULING_POLICY_LOAD_BALANCING"]  # fmt: skip
         assert _policies(Launcher._config(_cluster_entry(""), pdl)) == []
-    monkeypatch.setenv("FLINT_CLUSTER_POLICY", "default")
-    assert _policies(Launcher._config(_cluster_entry("load_balancing"), True)) == []
-    monkeypatch.setenv("FLINT_CLUSTER_POLICY", "spread")
-    assert _policies(Launcher._config(_cluster_entry(""), True)) == ["CU_CLUSTER_SCHEDULING_POLICY_SPREAD"]
+        assert _policies(Launcher._config(_cluster_entry("spread"), pdl)) == [
+            "CU_CLUSTER_SCHEDULING_POLICY_SPREAD"]  # fmt: skip
     assert _policies(Launcher._config(_cluster_entry("", (1, 1, 1)), True)) == []  # no cluster: no policy
-    monkeypatch.setenv("FLINT_CLUSTER_POLICY", "balanced")
-    with pytest.raises(ValueError, match="default, spread or load_balancing"):
-        Launcher._config(_cluster_entry(""), True)
 
 
 def test_manifest_cluster_policy_round_trip_and_refusals():
@@ -424,15 +419,16 @@ def test_a_bundle_of_the_previous_xn_layout_is_refused_with_the_fix():
     """A bundle of schema 2 (built before the norm kernel wrote xn in the layout its qkv kernel reads), 3
     (before it wrote NVFP4's xn in the MMA pair order), 4 (before the 32-token NVFP4 kernel read it as wgmma
     tiles), 5 (before the 64-token one did) or 6 (before the BF16 ones did) would run with this loader's
-    layouts and give wrong results or fail at launch; its manifest is refused at load, and the message says
-    how to fix it (no GPU, no DSL: the manifest alone)."""
+    layouts and give wrong results or fail at launch, and one of 7 marks a diagnostic build by spec keys this
+    loader no longer strips; its manifest is refused at load, and the message says how to fix it (no GPU, no
+    DSL: the manifest alone)."""
     from loader.manifest import SCHEMA_VERSION, Manifest, ManifestError
 
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     d = {"schema_version": 2, "generator": "flint-aot 0.1.0", "dsl_version": "4.8.1", "config": {},
          "kernels": []}  # fmt: skip
-    for old in (2, 3, 4, 5, 6):
-        msg = rf"schema version {old}, this loader reads version 7; rebuild"
+    for old in (2, 3, 4, 5, 6, 7):
+        msg = rf"schema version {old}, this loader reads version 8; rebuild"
         with pytest.raises(ManifestError, match=msg):
             Manifest.from_dict(dict(d, schema_version=old))
-    assert Manifest.from_dict(dict(d, schema_version=7)).schema_version == 7
+    assert Manifest.from_dict(dict(d, schema_version=8)).schema_version == 8

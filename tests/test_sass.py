@@ -4,6 +4,7 @@ griddepcontrol.wait (ACQBULK), activations after it, no local memory, at most 16
 kernels (3 CTAs of 128 threads per SM: one wave), and for the token stream shared memory that does not grow
 with the tile."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -31,8 +32,9 @@ def _nvdisasm():
 
 def _sass(cubin: bytes, tmp_path) -> list[str]:
     tool = _nvdisasm()
-    if tool is None:
-        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    if tool is None:  # (CI installs it with the dev extra: there its absence is a failure, not a skip)
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("nvdisasm not found (pip install "
+                                                               "nvidia-cuda-nvdisasm)")  # fmt: skip
     f = tmp_path / "k.cubin"
     f.write_bytes(cubin)
     out = subprocess.run([tool, "-c", str(f)], capture_output=True, text=True, check=True).stdout
@@ -52,9 +54,15 @@ def _compile(kind, spec, arch):
     from flint_aot.kernels import kernel_class
     from loader.elf import read_cubin
 
-    c = kernel_class(kind)(spec).compile(arch, "flint_t")
+    c = kernel_class(kind)(spec, arch).compile(arch, "flint_t")
     (k,) = read_cubin(c.cubin).kernels.values()
     return c, k.registers
+
+
+def _group_loop(sass, after):
+    """The SASS of the token stream's group loop: from its first MMA to its first send of partial sums."""
+    loop = sass[sass.index(next(ln for ln in after if "HMMA" in ln)):]
+    return loop[: next(i for i, ln in enumerate(loop) if "STAS.64" in ln)]
 
 
 def _no_spills(sass):
@@ -79,9 +87,9 @@ def _spec(kind, fmt, kv, norm, tile):
 
 # (the two-kernel design's kernels of 32 and 64 tokens: test_the_32_and_64_token_kernels_use_wgmma_passes)
 GEMV_CASES = [("qkv", fmt, kv, norm, tile) for fmt in ("bf16", "nvfp4") for norm in ("separate", "prologue")
-              for kv in ("bf16", "fp8_e4m3") for tile in (8, 16, 64)
-              if (kv == "bf16" or norm == "prologue") and (norm, tile) != ("separate", 64)] + [
-    ("gemv", fmt, None, None, tile) for fmt in ("bf16", "nvfp4") for tile in (8, 16, 64)]  # fmt: skip
+              for kv in ("bf16", "fp8_e4m3") for tile in (8, 16, 32, 64)
+              if (kv == "bf16" or norm == "prologue") and not (norm == "separate" and tile > 16)] + [
+    ("gemv", fmt, None, None, tile) for fmt in ("bf16", "nvfp4") for tile in (8, 16, 32, 64)]  # fmt: skip
 
 
 # every case on sm_90a (the GPUs we run on); on sm_100a (built, never run here) one per kind, format and tile
@@ -133,14 +141,12 @@ def test_gemv_schedules(tmp_path, kind, fmt, kv, norm, tile, arch):
             assert 96 <= decoded <= 128
     _no_spills(sass)
     # every warp provably converged at its shuffles: a shuffle given a collective fallback is the sign that
-    # ptxas lost track (the 64-token ring refilled without a CTA barrier and no warp barrier after the
-    # copying threads' branch: 168 registers and NVFP4 up to 1.2 us slower, BENCHMARKS.md §2 step 13)
+    # ptxas lost track (a ring refilled without a CTA barrier and no warp barrier after the copying
+    # threads' branch: 168 registers and NVFP4 up to 1.2 us slower, docs/kernels.md §2.5)
     assert not any("WARPSYNC.COLLECTIVE" in ln for ln in sass)
-    if (kind, tile, norm) == ("qkv", 64, "separate"):  # its ring's refill waits on a "read" mbarrier, not on
-        # a CTA barrier (the standalone GEMV keeps the barrier: faster for it)
-        loop = sass[sass.index(next(ln for ln in after if "HMMA" in ln)):]
-        loop = loop[: next(i for i, ln in enumerate(loop) if "STAS.64" in ln)]
-        assert not any(re.search(r"\bBAR\.SYNC\b", ln) for ln in loop) and any("UBLKCP" in ln for ln in loop)
+    if tile > 16 and norm is None:  # the standalone GEMV's ring refills after a CTA barrier, in the loop
+        loop = _group_loop(sass, after)
+        assert any(re.search(r"\bBAR\.SYNC\b", ln) for ln in loop) and any("UBLKCP" in ln for ln in loop)
     # one wave (3 CTAs of 128 threads per SM) needs <= 168 registers; the standalone 8-token BF16 GEMV
     # compiles to 172 on sm_100a (2 CTAs per SM there; not run: no Blackwell GPU)
     assert regs <= (176 if (kind, fmt, tile, arch) == ("gemv", "bf16", 8, "sm_100a") else 168), regs
@@ -156,8 +162,8 @@ def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
     prologue's sums of squares), at most 3.6 KB per group of 8 tokens. And three CTAs of the 32- and 64-token
     kernels fit the 164 KB carveout (1 KB reserved per CTA), which leaves 92 KB of the SM's 256 KB to L1: the
     weight loads in flight pass through it (a 64-token kernel whose three CTAs took the 228 KB carveout got
-    its weights 2 us later and cost 2.4 us more per layer, BENCHMARKS.md)."""
-    from flint_aot.kernels import gemv_core as core
+    its weights 2 us later and cost 2.4 us more per layer: docs/kernels.md §2.5)."""
+    from flint_aot.kernels.stream_gemv import GROUP
     from loader import abi
 
     sizes = []
@@ -165,7 +171,7 @@ def test_stream_shared_memory_does_not_follow_m(kind, fmt, norm):
         c, _ = _compile(kind, _spec(kind, fmt, "bf16", norm, tile), "sm_90a")
         sizes.append((_static_smem(c.cubin), c.dyn_smem))
     (s32, d32), (s64, d64) = sizes
-    stage = core.GROUP * abi.stream_row(fmt) * 2
+    stage = GROUP * abi.stream_row(fmt) * 2
     stages = 2 if norm == "prologue" else 3
     assert d32 == stages * stage and d64 == stages * stage, sizes
     assert 0 <= s64 - s32 <= 4 * 3712 and s32 + d32 <= s64 + d64, sizes
@@ -185,8 +191,10 @@ def test_the_32_and_64_token_kernels_use_wgmma_passes(tmp_path, arch, fmt, tile)
     paths by mma.sync; CTA barriers of its own for A's park and the 64-token kernels' refills, no
     collective shuffles; within 168 registers, no spills; a ring of 4
     stages and A's parked words, shared memory that does not depend on M, three CTAs within the 196 KB
-    carveout. sm_100a has no wgmma: the same layout, every group by mma.sync (built, not run here)."""
-    from flint_aot.kernels import gemv_core as core
+    carveout. sm_100a has no wgmma: the same layout, every group by mma.sync (built, not run here), its
+    64-token ring refilled on "read" mbarriers (only there: sm_90a's kernels initialise none)."""
+    from flint_aot.kernels.stream_gemv import WG_REG
+    from flint_aot.kernels.wgmma import WG_CORE
     from loader import abi
 
     spec = abi.qkv_spec(fmt, True, 16, 2, "bf16", "separate", tile)
@@ -204,7 +212,7 @@ def test_the_32_and_64_token_kernels_use_wgmma_passes(tmp_path, arch, fmt, tile)
     wgmma = count(r"\bHGMMA\.")
     passes = tile // 32
     if arch == "sm_90a":
-        in_regs = 2 * core.WG_REG[tile]  # (2 chains a word)
+        in_regs = 2 * WG_REG[tile]  # (2 chains a word)
         assert wgmma == 32 * passes and count(r"\bHGMMA\.\S+ R\d+, R\d+, gdesc") == in_regs * passes
         assert count(r"WARPGROUP\.ARRIVE") == passes and count(r"WARPGROUP\.DEPBAR") == passes, "serialized"
         # group 0 (and group 4), the loop of fewer groups (and of the groups after a pass at 64 tokens)
@@ -214,25 +222,33 @@ def test_the_32_and_64_token_kernels_use_wgmma_passes(tmp_path, arch, fmt, tile)
         assert count(r"\bBAR\.SYNC\b") == 2 + (tile == 64) * (2 if fmt == "nvfp4" else 1)
     else:
         assert wgmma == 0 and count(r"\bHMMA\.16816\.F32\.BF16\b") >= 32
+        if tile == 64:  # a stage refilled on its "read" mbarrier, with no CTA barrier in the group loop
+            loop = _group_loop(sass, after)
+            assert not any(re.search(r"\bBAR\.SYNC\b", ln) for ln in loop)
+            assert any("UBLKCP" in ln for ln in loop)
+    # mbarriers initialised: a stage's "in" one (4), and at 64 tokens on sm_100a its "read" one (4); one per
+    # group's partial sums; the slots' staging and the cos|sin rows
+    reads = 4 if tile == 64 else 0
+    assert sum("SYNCS.EXCH.64" in ln for ln in before) == 4 + reads + tile // 8 + 2
     assert count(r"\bLDSM\.") >= 16
     # no collective path for the shuffles (refills on "read" mbarriers in the fours gave sm_90a's 64-token
-    # kernels one: 0.2-0.5 us a layer slower, BENCHMARKS.md §2 step 22)
+    # kernels one: 0.2-0.5 us a layer slower, docs/kernels.md §2.6)
     assert not any("WARPSYNC.COLLECTIVE" in ln for ln in sass)
     _no_spills(sass)
     assert regs <= 168, regs
     stage = 8 * abi.K_QUARTER * 2
-    assert c.dyn_smem == 4 * stage + 8 * (16 - core.WG_REG[tile]) * 4 * core.WG_CORE and c.dyn_smem_per_m == 0
+    assert c.dyn_smem == 4 * stage + 8 * (16 - WG_REG[tile]) * 4 * WG_CORE
     assert 3 * (_static_smem(c.cubin) + c.dyn_smem + 1024) <= 196 * 1024
 
 
 def test_the_stream_asks_for_load_balanced_clusters():
-    """The token stream's kernels are launched with the load-balancing cluster policy (BENCHMARKS.md §2 step
-    12), the 8-token kernels with the driver's default, for which they were measured faster."""
+    """The token stream's kernels are launched with the load-balancing cluster policy (docs/kernels.md §2.5),
+    the 8-token kernels with the driver's default, for which they were measured faster."""
     from flint_aot.kernels import kernel_class
 
     for fmt in ("bf16", "nvfp4"):
         for tile in (8, 16, 32, 64):
-            k = kernel_class("qkv")(_spec("qkv", fmt, "bf16", "separate", tile))
+            k = kernel_class("qkv")(_spec("qkv", fmt, "bf16", "separate", tile), "sm_90a")
             assert k.cluster_policy == ("load_balancing" if tile > 8 else ""), (fmt, tile)
 
 

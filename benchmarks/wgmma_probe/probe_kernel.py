@@ -10,15 +10,15 @@ It answers two questions before a wgmma stream is built (docs/kernels.md §2.5, 
 (Answers, measured on the H200, in BENCHMARKS.md §2, step 9.)
 
 One CTA: 128 threads (one warpgroup), 64 weight rows x one K quarter (512 k) of w [64, 512] bf16, loaded into
-registers exactly as the stream does (warp w: rows 16 w .. 16 w + 15; gemv_core's block order and k
+registers exactly as the stream does (warp w: rows 16 w .. 16 w + 15; mma.py's block order and k
 permutation); x [32, 512] bf16 staged once into shared memory (token n reads row n % 32, so that three CTAs
 of every mode fit an SM); then `reps` times the 8 groups of 8 tokens, each group's fp32 sums stored to
 out[cta, row, token]. The spec: `mode` and `ctas`, the register budget
 (`.minnctapersm`: 168 registers for 3 CTAs per SM, 255 for 2). Modes:
-* `mma`: gemv_core.mma_partials' sequence per group (x rows padded, fragments by ld.shared);
+* `mma`: mma.mma_partials' sequence per group (x rows padded, fragments by ld.shared);
 * `wg8`, `wg16`, `wg32`: wgmma m64nNk16 over N = 8, 16, 32 tokens at a time, two accumulator chains (the
   block's MMA 0 and MMA 1, as mma.sync's acc[0] / acc[1]) added at the end, x staged in the canonical
-  no-swizzle K-major layout with gemv_core's k permutation applied (see stage_wg);
+  no-swizzle K-major layout with mma.py's k permutation applied (see stage_wg);
 * `wg16s`, `wg32s`: the same two chains one after the other (chain 0's sums parked in shared memory, as a
   sender would ship them to their owner): half the accumulator registers;
 * `h8q`, `h8h`, `h16q`, `h16h`, `h32h`: hybrid, N = 8, 16 or 32, the A fragments of the last 4 (q) or 8 (h)
@@ -36,20 +36,8 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from flint_aot import Kernel
 from flint_aot.kernels.device import lanes
-from flint_aot.kernels.gemv_core import (
-    SharedX,
-    as_f32,
-    as_i32,
-    ld_act,
-    ld_shared,
-    ld_weight,
-    mma_partials,
-    wg_desc,
-    wg_fence,
-    wg_wait,
-    wgmma_rs,
-    wgmma_ss,
-)
+from flint_aot.kernels.mma import SharedX, as_f32, as_i32, ld_act, ld_shared, ld_weight, mma_partials
+from flint_aot.kernels.wgmma import wg_desc, wg_fence, wg_wait, wgmma_rs, wgmma_ss
 
 KQ = 512  # k per CTA (one quarter)
 NB = KQ // 32  # 32-wide blocks
@@ -162,7 +150,7 @@ class WgmmaProbe(Kernel):
                         self.pass_wg(A, dbase, out, ob, (P + r) % passes, abase)
 
     def group_mma(self, A, xs, out, ob, gg, g, tid):
-        """One group of 8 tokens: gemv_core.mma_partials itself, x from the padded rows."""
+        """One group of 8 tokens: mma.mma_partials itself, x from the padded rows."""
         d = mma_partials(A, SharedX(xs, XR, None), (gg * 8 + g) % TOKX, tid, Int32(0), kx=0)
         self.store(out, ob + gg * 8, d)
 

@@ -19,7 +19,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.runtime import make_fake_stream, make_ptr
 
-from loader.abi import GRID, MAX_M
+from flint_aot.kernels.diagnostics import SERVING
+from loader.abi import GRID
 from loader.elf import CubinError, read_cubin
 from loader.manifest import cluster_policy_problem
 
@@ -37,40 +38,48 @@ class Compiled:
     cluster: tuple
     grid: tuple
     dyn_smem: int
-    dyn_smem_per_m: int = 0
     cluster_policy: str = ""
 
 
 class Kernel:
     """The public base class of every kernel kind, built-in or a plugin (`flint_aot.Kernel`, docs/plugins.md):
-    one specialization, its compile-time configuration set once, in __init__(spec), from the spec's values;
-    `kernel` (a @cute.kernel method) is the flat parameter list the manifest records by name."""
+    one specialization, its compile-time configuration set once, in __init__, from the spec's values (a
+    plugin's `__init__(spec)`; a built-in kind's `__init__(spec, arch, diag)`, which also knows the
+    architecture and the build's diagnostics); `kernel` (a @cute.kernel method) is the flat parameter list
+    the manifest records by name."""
 
     kind = ""  # a built-in kind's name (its grid rule, loader.abi.GRID); plugins leave it empty
     block: tuple = (128, 1, 1)  # baked into the cubin (.reqntid): every launch uses exactly this block
     cluster: tuple = (1, 1, 1)  # a launch attribute, recorded in the manifest
     grid: tuple | None = None  # a built-in specialization's grid rule (abi.GRID_SYMBOLS); None: the kind's
     dyn_smem = 0  # dynamic shared memory the kernel may use (bytes): the loader allows launches up to it
-    dyn_smem_per_m = 0  # dynamic shared memory per token of a call (bytes)
     min_ctas_per_sm = 0  # > 0: ptxas keeps the registers within what this many CTAs per SM leave
     # the clusters' scheduling policy, a launch attribute recorded in the manifest: "" (the driver's default),
     # "spread" or "load_balancing" (loader.manifest.CLUSTER_POLICIES)
     cluster_policy = ""
+    arch = ""  # the architecture compiled for (a built-in kind's __init__ sets it; else compile does)
+    diag = SERVING  # a built-in kind's diagnostics (kernels/diagnostics.py)
 
     def ptr_types(self) -> dict:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
         return {}
 
-    arch = ""  # the architecture being compiled for (set by compile, read while the kernel is traced)
+    def entry_point(self):
+        """The @cute.kernel to compile (default: `kernel`)."""
+        return self.kernel
 
     def compile(self, arch: str, entry_prefix: str, grid: tuple | None = None) -> Compiled:
         """The cubin for arch; grid: the manifest's grid rule (default: the built-in kind's)."""
+        if self.arch and self.arch != arch:
+            raise ValueError(f"this {type(self).__name__} was made for {self.arch}, not {arch}")
         self.arch = arch
-        return compile_kernel(self.kernel, kind=self.kind, arch=arch, entry_prefix=entry_prefix,
+        policy = self.cluster_policy
+        if self.diag.cluster_policy and tuple(self.cluster) != (1, 1, 1):  # (a diagnostic A/B build)
+            policy = "" if self.diag.cluster_policy == "default" else self.diag.cluster_policy
+        return compile_kernel(self.entry_point(), kind=self.kind, arch=arch, entry_prefix=entry_prefix,
                               block=self.block, cluster=self.cluster, ptr_types=self.ptr_types(),
-                              dyn_smem=self.dyn_smem, dyn_smem_per_m=self.dyn_smem_per_m,
-                              min_ctas_per_sm=self.min_ctas_per_sm, grid=grid or self.grid,
-                              cluster_policy=self.cluster_policy)  # fmt: skip
+                              dyn_smem=self.dyn_smem, min_ctas_per_sm=self.min_ctas_per_sm,
+                              grid=grid or self.grid, cluster_policy=policy)  # fmt: skip
 
 
 def kernel_params(kernel, ptr_types: dict | None = None) -> tuple[tuple[str, str, int], ...]:
@@ -104,12 +113,11 @@ def _placeholders(params, ptr_types: dict):
 
 
 def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tuple, cluster=(1, 1, 1),
-                   dyn_smem: int = 0, dyn_smem_per_m: int = 0, ptr_types: dict | None = None,
-                   min_ctas_per_sm: int = 0, grid: tuple | None = None,
-                   cluster_policy: str = "") -> Compiled:  # fmt: skip
+                   dyn_smem: int = 0, ptr_types: dict | None = None, min_ctas_per_sm: int = 0,
+                   grid: tuple | None = None, cluster_policy: str = "") -> Compiled:  # fmt: skip
     """Compile one @cute.kernel for arch. The launch geometry recorded in the manifest: block (baked into the
-    cubin as .reqntid), cluster, its scheduling policy and dynamic shared memory (launch attributes:
-    dyn_smem + M x dyn_smem_per_m bytes) and the grid rule (default: the kind's, loader.abi.GRID)."""
+    cubin as .reqntid), cluster, its scheduling policy and dynamic shared memory (launch attributes) and the
+    grid rule (default: the kind's, loader.abi.GRID)."""
     bad = cluster_policy_problem(cluster_policy, cluster)
     if bad:
         raise ValueError(bad)
@@ -118,8 +126,8 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     launch = dict(grid=[cluster[0], 1, 1], block=list(block), use_pdl=True)
     if cluster != (1, 1, 1):
         launch["cluster"] = list(cluster)
-    if dyn_smem or dyn_smem_per_m:
-        launch["smem"] = dyn_smem + MAX_M * dyn_smem_per_m
+    if dyn_smem:
+        launch["smem"] = dyn_smem
     if min_ctas_per_sm:  # .minnctapersm: ptxas keeps the registers within what this many CTAs per SM leave
         launch.update(min_blocks_per_mp=min_ctas_per_sm, preferred_smem_carveout=-1)
 
@@ -139,8 +147,7 @@ def compile_kernel(kernel, *, kind: str, arch: str, entry_prefix: str, block: tu
     if len(names) != 1:
         raise RuntimeError(f"expected one kernel in the compile, got {names}")
     return Compiled(cubin, ptx, names[0], params, tuple(block), tuple(cluster),
-                    tuple(grid) if grid else GRID[kind], dyn_smem, dyn_smem_per_m,
-                    cluster_policy)  # fmt: skip
+                    tuple(grid) if grid else GRID[kind], dyn_smem, cluster_policy)  # fmt: skip
 
 
 def _check_written(d: Path, cubin: bytes) -> None:

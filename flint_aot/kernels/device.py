@@ -84,15 +84,18 @@ def norm_scale(warp_sums, eps):
     return cute.math.rsqrt(total * Float32(1.0 / HIDDEN) + eps)
 
 
+# the NVFP4 MMA's bf16x2 pairs (k0 + j, k0 + j + 4), j = 0..3: element e of the reordered 8 is k0 + PAIRS[e]
+MMA_PAIRS = tuple(j + h * (NORM_VEC // 2) for j in range(NORM_VEC // 2) for h in range(2))
+
+
 def mma_pairs(v):
-    """8 values k0 .. k0 + 7 (a TensorSSA) in the order of the NVFP4 MMA's bf16x2 pairs (k0 + j, k0 + j + 4),
-    j = 0..3 (gemv_core.fp4_x_pairs' permutation, done once where xn is written: loader.abi.xn_pairs)."""
+    """8 values k0 .. k0 + 7 (a TensorSSA) in the order of the NVFP4 MMA's pairs (MMA_PAIRS: fp4.fp4_x_pairs'
+    permutation, done once where xn is written: loader.abi.xn_pairs)."""
     t = cute.make_rmem_tensor(cute.make_layout(NORM_VEC), v.dtype)
     t.store(v)
     r = cute.make_rmem_tensor(cute.make_layout(NORM_VEC), v.dtype)
-    for j in range(NORM_VEC // 2):
-        r[2 * j] = t[j]
-        r[2 * j + 1] = t[j + NORM_VEC // 2]
+    for e, k in enumerate(MMA_PAIRS):
+        r[e] = t[k]
     return r.load()
 
 

@@ -16,9 +16,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from flint_aot.kernels import device
+from flint_aot.kernels import device, trace
 from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.device import NORM_CHUNKS, NORM_VEC, NORM_WARPS
+from flint_aot.kernels.diagnostics import SERVING, Diagnostics
 from loader.abi import HIDDEN, K_QUARTER, TOKEN_GROUP
 
 THREADS = NORM_CHUNKS  # one thread per 8-element chunk
@@ -26,38 +27,48 @@ QUARTER_CHUNKS = K_QUARTER // NORM_VEC  # threads per K quarter of a row
 
 
 class NormKernel(Kernel):
-    """The input norm of one specialization: residual on/off (and a debug build's spin), set once."""
+    """The input norm of one specialization: residual on/off, set once (and, in a diagnostic build, a
+    slow producer's spin or the timeline's trace points)."""
 
     kind, block = "norm", (THREADS, 1, 1)
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, arch: str, diag: Diagnostics = SERVING):
+        self.arch, self.diag = arch, diag
         self.residual = bool(spec["residual"])
-        # > 0: a debug kernel that busy-waits this many clock cycles before writing its outputs (a slow
-        # producer, used to prove that a dependent kernel waits for it)
-        self.spin = int(spec.get("debug_spin_cycles", 0))
+        # > 0: busy-wait this many clock cycles before writing the outputs (a slow producer, used to prove
+        # that a dependent kernel waits for it)
+        self.spin = diag.norm_spin_cycles
+
+    def entry_point(self):
+        return self.kernel_traced if self.diag.timeline else self.kernel
 
     @cute.kernel
-    def kernel(
-        self,
-        x: cute.Pointer,
-        residual: cute.Pointer,
-        residual_out: cute.Pointer,
-        xn: cute.Pointer,
-        weight: cute.Pointer,
-        eps: Float32,
-        xn_group: Int32,
-        xn_row: Int32,
-        xn_quarter: Int32,
-        xn_pairs: Int32,
-    ):
+    def kernel(self, x: cute.Pointer, residual: cute.Pointer, residual_out: cute.Pointer, xn: cute.Pointer,
+               weight: cute.Pointer, eps: Float32, xn_group: Int32, xn_row: Int32, xn_quarter: Int32,
+               xn_pairs: Int32):  # fmt: skip
+        self.body(x, residual, residual_out, xn, weight, eps, xn_group, xn_row, xn_quarter, xn_pairs, None)
+
+    @cute.kernel
+    def kernel_traced(self, x: cute.Pointer, residual: cute.Pointer, residual_out: cute.Pointer,
+                      xn: cute.Pointer, weight: cute.Pointer, eps: Float32, xn_group: Int32, xn_row: Int32,
+                      xn_quarter: Int32, xn_pairs: Int32, trace: cute.Pointer):  # fmt: skip
+        """The timeline build's entry: a trace buffer of 8 words a row after the parameters."""
+        self.body(x, residual, residual_out, xn, weight, eps, xn_group, xn_row, xn_quarter, xn_pairs, trace)
+
+    @cute.jit
+    def body(self, x, residual, residual_out, xn, weight, eps, xn_group, xn_row, xn_quarter, xn_pairs, buf):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         warp, lane, _, _ = device.lanes(tid)
         cute.arch.griddepcontrol_launch_dependents()
+        tr = trace.Trace(buf is not None, buf, row, trace.NORM_WORDS, tid, row)
+        tr.mark(trace.NORM_START)
+        tr.smid(trace.NORM_SMID)
         off = cute.assume(row * HIDDEN + tid * NORM_VEC, divby=NORM_VEC)
         w = device.load_vec(weight + tid * NORM_VEC, NORM_VEC)  # a model constant: read before the wait
         cute.arch.griddepcontrol_wait()
         res = device.load_vec(residual + off, NORM_VEC) if cutlass.const_expr(self.residual) else None
+        tr.mark(trace.NORM_WAITED)
         r, ss = device.norm_residual(device.load_vec(x + off, NORM_VEC), res)
         ss = cute.arch.warp_reduction_sum(ss)
         red = cute.make_tensor(cute.arch.alloc_smem(Float32, NORM_WARPS, alignment=16),
@@ -65,6 +76,7 @@ class NormKernel(Kernel):
         if lane == 0:
             red[warp] = ss
         cute.arch.sync_threads()
+        tr.mark(trace.NORM_REDUCED)
         y = device.norm_apply(r, device.norm_scale([red[i] for i in range(NORM_WARPS)], eps), w)
         if cutlass.const_expr(self.spin > 0):
             device.spin_cycles(self.spin)
@@ -81,6 +93,10 @@ class NormKernel(Kernel):
             device.store_vec(xn + cute.assume(xo, divby=NORM_VEC), y, NORM_VEC)
         if cutlass.const_expr(self.residual):
             device.store_vec(residual_out + off, r.to(cutlass.BFloat16), NORM_VEC)
+        tr.mark(trace.NORM_STORED, after=y[0].to(Float32))
+
+    def ptr_types(self) -> dict:
+        return {"trace": (Int32, 4)} if self.diag.timeline else {}
 
     def store_wg(self, xn, y, row, tid, xn_group, xn_row, xn_quarter, bf16: bool):
         """xn in the wgmma stream's layout (loader.abi.WG_STRIDES). NVFP4: this thread's chunk (k0 = 512 q +
@@ -91,15 +107,9 @@ class NormKernel(Kernel):
         3 butterfly shuffles (round r: lane ^ (4 r ^ (r & 2)), BF16 lane ^ r: the thread of t ^ r), so that
         thread t writes chunk 4 i + t whole, 16 bytes at
         (chunk // 8) KB + token * 128 + ((chunk % 8) ^ token) * 16 bytes: every 128-byte line is one token's
-        (written as 4 bytes into lines shared by 8 tokens' CTAs, xn cost 0.3-0.55 us a layer more,
-        BENCHMARKS.md §2 step 20)."""
-        cq = tid % QUARTER_CHUNKS
-        if bf16:
-            tq = cq % 4
-            i = cq // 4
-        else:
-            tq = (cq // 4) % 4
-            i = (cq // 16) * 4 + ((cq % 4) ^ (tq & 2))
+        (written as 4-byte pieces into lines shared by 8 tokens' CTAs, xn cost more than the wgmma gained:
+        docs/kernels.md §2.6)."""
+        tq, i = wg_step(tid % QUARTER_CHUNKS, bf16)
         p = cute.make_rmem_tensor(cute.make_layout(NORM_VEC), cutlass.BFloat16)
         p.store(y if bf16 else device.mma_pairs(y))
         w = cute.recast_tensor(p, Int32)
@@ -109,18 +119,43 @@ class NormKernel(Kernel):
             give = words[3]
             for j in range(3):  # words[tq ^ r]
                 give = cutlass.select_((tq ^ r) == j, words[j], give)
-            got = cute.arch.shuffle_sync_bfly(give, r if bf16 else 4 * r ^ (r & 2))
+            got = cute.arch.shuffle_sync_bfly(give, wg_partner(r, bf16))
             for j in range(4):
                 out[j] = cutlass.select_((tq ^ r) == j, got, out[j])
         c = 4 * i + tq
         n = row % TOKEN_GROUP
         block = (row // TOKEN_GROUP) * xn_group + (tid // QUARTER_CHUNKS) * xn_quarter
-        off = block + (c // 8) * (TOKEN_GROUP * xn_row) + n * xn_row + ((c % 8) ^ n) * NORM_VEC
+        off = wg_offset(block, c, n, xn_row)
         o = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         for j in range(4):
             o[j] = out[j]
         dst = cute.recast_ptr(xn + cute.assume(off, divby=NORM_VEC), dtype=Int32)
         cute.autovec_copy(o, cute.make_tensor(dst, cute.make_layout(4)))
+
+
+# The index arithmetic of store_wg, on Python or DSL integers (tests/test_gemv_layout.py runs it on ints)
+def wg_step(cq, bf16: bool):
+    """(t, i) of a norm thread's chunk cq (0..63) of a K quarter: it holds the 8 k that lane t of a quad
+    reads at MMA step i (NVFP4: chunk 4 c + t of 32 k, word u, read at step 4 c + (u ^ (t & 2)); BF16: k
+    block i)."""
+    if bf16:
+        tq = cq % 4
+        i = cq // 4
+    else:
+        tq = (cq // 4) % 4
+        i = (cq // 16) * 4 + ((cq % 4) ^ (tq & 2))
+    return tq, i
+
+
+def wg_partner(r: int, bf16: bool) -> int:
+    """The lane xor of shuffle round r (1..3): the thread of the same step whose t is this one's t ^ r."""
+    return r if bf16 else 4 * r ^ (r & 2)
+
+
+def wg_offset(block, c, n, xn_row):
+    """Element offset of logical 16-byte chunk c of token n's row, in the 8 KB of its group and quarter at
+    `block`: atom c // 8, row n, chunk (c % 8) ^ n (the 128-byte swizzle)."""
+    return block + (c // 8) * (TOKEN_GROUP * xn_row) + n * xn_row + ((c % 8) ^ n) * NORM_VEC
 
 
 KERNEL = NormKernel

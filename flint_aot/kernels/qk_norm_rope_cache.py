@@ -20,6 +20,7 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from flint_aot.kernels import device
 from flint_aot.kernels.compile import Kernel
+from flint_aot.kernels.diagnostics import SERVING, Diagnostics
 from loader.abi import HEAD_DIM
 
 THREADS = HEAD_DIM
@@ -32,7 +33,8 @@ class QkNormRopeCacheKernel(Kernel):
 
     kind, block = "qk_norm_rope_cache", (THREADS, 1, 1)
 
-    def __init__(self, spec: dict):
+    def __init__(self, spec: dict, arch: str, diag: Diagnostics = SERVING):
+        self.arch, self.diag = arch, diag
         self.rope = bool(spec["rope"])
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
 
