@@ -130,7 +130,7 @@ class WgmmaFours:
     with all 8 groups runs two fours, with 5-7 groups the first four and then groups 4.. by mma.sync;
     fewer than 4 groups run by mma.sync (at N = 8 or 16 a pass reuses A too little to pay)."""
 
-    read_barriers = True  # (the mbarriers are initialised, never waited on: TiledMmaRing's refills' own)
+    read_barriers = False  # (its refills follow CTA barriers; the groups it leaves over are never refilled)
 
     def __init__(self, fp4: bool):
         self.fp4 = fp4
