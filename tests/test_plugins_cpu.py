@@ -306,6 +306,8 @@ try:
     silu_mul_op.silu_mul(x[:, :2000])
 except ValueError as err:
     assert str(err).startswith("x must be a contiguous [M, 2*I] tensor"), err
+else:  # (neither raised nor launched: a refusal that says nothing)
+    raise AssertionError("silu_mul accepted x of another shape")
 assert len(launched) == 1
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "flint_aot") or m == "silu_mul.kernel"))
 """
