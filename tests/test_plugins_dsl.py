@@ -4,6 +4,7 @@ second build finds it cached; a copy elsewhere with a fresh cache gives the same
 source recompiles it and nothing else. Each misuse of the config's plugins section is one line naming the
 file, the key and the fix, before anything compiles."""
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -231,16 +232,21 @@ def test_a_plugin_misuse_is_one_line_before_anything_compiles(tmp_path, plugin, 
 
 
 def test_an_interrupt_during_the_plugin_check_stops_the_build_at_once(tmp_path):
-    """SIGINT while the plugins' modules are being imported (here one that takes a minute) kills the check
-    process and stops the build with status 130 within seconds: one line, nothing compiled or written."""
+    """SIGINT while the plugins' modules are being imported (here one that takes a minute, its process then
+    frozen by SIGSTOP so that it can never finish by itself) kills the check process and stops the build
+    with status 130: one line, the import never completed, nothing compiled or written. A build that waited
+    for the check instead would wait for ever (STOP_TIMEOUT_S is that failure, not a speed bound)."""
     import os
     import signal
     import time
+
+    from tests.test_cli_interrupt import STOP_TIMEOUT_S, _stopped
 
     (tmp_path / "slow.py").write_text(
         "import os, pathlib, time\n"
         f"pathlib.Path({str(tmp_path / 'pid')!r}).write_text(str(os.getpid()))\n"
         "time.sleep(60)\n"
+        f"pathlib.Path({str(tmp_path / 'imported')!r}).write_text('the import finished')\n"
     )
     cfg = tmp_path / "cfg.yaml"
     plugins = {"act": {"module": "slow"}}
@@ -249,22 +255,30 @@ def test_an_interrupt_during_the_plugin_check_stops_the_build_at_once(tmp_path):
            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
     p = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    child = None
     try:
         deadline = time.monotonic() + 120
-        while not (tmp_path / "pid").exists():
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
             assert p.poll() is None and time.monotonic() < deadline, "the check did not start"
             time.sleep(0.05)
         child = int((tmp_path / "pid").read_text())
-        t0 = time.monotonic()
+        os.kill(child, signal.SIGSTOP)  # the check process cannot end by itself now
+        while not _stopped(child):
+            assert time.monotonic() < deadline, "could not freeze the check process"
+            time.sleep(0.02)
         p.send_signal(signal.SIGINT)
-        out = p.communicate(timeout=30)[0]
+        out = p.communicate(timeout=STOP_TIMEOUT_S)[0]
     finally:
         if p.poll() is None:  # (a failure above: this test's build is not left running)
             p.kill()
             p.communicate()
-    assert p.returncode == 130 and time.monotonic() - t0 < 5, (p.returncode, out)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    assert p.returncode == 130, (p.returncode, out)
     assert out.strip().splitlines() == [f"interrupted (SIGINT) while checking the plugin modules: nothing "
                                         f"compiled; {tmp_path / 'out'} untouched"], out  # fmt: skip
+    assert not (tmp_path / "imported").exists(), "the check's import ran to its end"
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
