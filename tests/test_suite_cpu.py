@@ -11,14 +11,15 @@ import pytest
 from tests.conftest import ROOT
 
 
-def _outcomes(tmp_path, args, prelude=""):
-    """Run pytest on args in a subprocess (after the Python statements of prelude); {test id: (outcome,
-    message)} from its JUnit XML, outcome one of passed / skipped / failed / error."""
+def _outcomes(tmp_path, args, prelude="", env=None):
+    """Run pytest on args in a subprocess (after the Python statements of prelude, with the variables of env
+    set); {test id: (outcome, message)} from its JUnit XML, outcome one of passed / skipped / failed /
+    error."""
     xml = tmp_path / "report.xml"
     argv = [*args, "-q", "-p", "no:cacheprovider", f"--junitxml={xml}"]
     code = f"{prelude}\nimport pytest, sys\nsys.exit(pytest.main({argv!r}))"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})  # fmt: skip
     assert xml.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     out = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
@@ -48,14 +49,16 @@ def test_qwen3_example_torch_cases_run_without_transformers(tmp_path):
 
 
 # tools/gpu_check.sh run here with stand-ins for nvidia-smi and python3: the python3 stub records every call
-# (STUB_CALLS) and, for pytest, the FLINT_REQUIRE_* variables it saw and its arguments (STUB_LOG); it exits
-# with STUB_RC_<STEP> for the steps verify, pytest, pack, doctor and custom (default 0). `-m venv DIR` makes
-# DIR/bin/python a copy of the stub (the wheel check's venv); `-c` prints STUB_SITE (the venv's site dir).
+# (STUB_CALLS) and, for pytest, the two FLINT_REQUIRE_* variables it saw and its arguments (STUB_LOG); it
+# exits with STUB_RC_<STEP> for the steps verify, pytest, pack, doctor and custom (default 0). `-m venv DIR`
+# makes DIR/bin/python a copy of the stub (the wheel check's venv); `-c` prints STUB_SITE (its site dir).
 _PYTHON_STUB = """#!/bin/sh
 echo "$*" >> "$STUB_CALLS"
 case " $* " in
   *" flint_aot.cli verify "*) exit "${STUB_RC_VERIFY:-0}";;
-  *" pytest "*) echo "${FLINT_REQUIRE_DEBUG_BUNDLE-unset} $*" >> "$STUB_LOG"; exit "${STUB_RC_PYTEST:-0}";;
+  *" pytest "*)
+    echo "${FLINT_REQUIRE_DEBUG_BUNDLE-unset} ${FLINT_REQUIRE_TRANSFORMERS-unset} $*" >> "$STUB_LOG"
+    exit "${STUB_RC_PYTEST:-0}";;
   *" flint_aot.cli pack "*) exit "${STUB_RC_PACK:-0}";;
   *" loader.doctor "*) exit "${STUB_RC_DOCTOR:-0}";;
   *" custom_kernel/run.py "*) exit "${STUB_RC_CUSTOM:-0}";;
@@ -81,12 +84,31 @@ def _gpu_check(tmp_path, **env):
     full = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
             "STUB_LOG": str(log), "STUB_CALLS": str(calls), "STUB_SITE": str(site), "WHEEL_CHECK": "0",
             "BENCH": "", **env}  # fmt: skip
-    for name in ("FLINT_REQUIRE_DEBUG_BUNDLE", "PYTEST_ARGS"):
+    for name in ("FLINT_REQUIRE_DEBUG_BUNDLE", "FLINT_REQUIRE_TRANSFORMERS", "PYTEST_ARGS"):
         if name not in env:
             full.pop(name, None)
     r = subprocess.run(["bash", "tools/gpu_check.sh"], cwd=ROOT, env=full, capture_output=True, text=True,
                        timeout=60)  # fmt: skip
     return r, log.read_text().splitlines(), calls.read_text().splitlines()
+
+
+def test_qwen3_example_cases_fail_without_transformers_where_it_is_required(tmp_path):
+    """With FLINT_REQUIRE_TRANSFORMERS=1 (what tools/gpu_check.sh sets on the GPU machine) and transformers
+    missing, the example's model-building cases fail naming it instead of skipping (the GPU case at M = 64
+    would otherwise skip unnoticed there); the torch-only cases still pass."""
+    env = {"FLINT_REQUIRE_TRANSFORMERS": "1"}
+    got, r = _outcomes(
+        tmp_path, ["tests/test_qwen3_example.py"], "import sys; sys.modules['transformers'] = None", env
+    )
+    log = r.stdout[-3000:] + r.stderr[-3000:]
+    needing = {n: o for n, o in got.items() if not n.startswith("test_torch_op_")}
+    assert len(needing) >= 4, (got, log)
+    for name, (outcome, why) in needing.items():
+        if "GPU" in why:  # (no GPU here: skipped before the requirement is looked at)
+            assert outcome == "skipped", (name, outcome, why)
+        else:
+            assert outcome in ("failed", "error") and "transformers" in why, (name, outcome, why)
+    assert all(o == "passed" for n, (o, _) in got.items() if n.startswith("test_torch_op_")), (got, log)
 
 
 def test_gpu_check_requires_the_debug_bundle(tmp_path):
@@ -96,8 +118,16 @@ def test_gpu_check_requires_the_debug_bundle(tmp_path):
     r, calls, _ = _gpu_check(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(calls) == 1, calls
-    required, args = calls[0].split(" ", 1)
+    required, _, args = calls[0].split(" ", 2)
     assert required == "1" and args.split()[-1] == "tests", calls
+
+
+def test_gpu_check_requires_transformers(tmp_path):
+    """... and with FLINT_REQUIRE_TRANSFORMERS=1: the Qwen3 example's GPU case (M = 64) fails there when
+    transformers is missing, as the debug bundle's test does without build/debug."""
+    r, calls, _ = _gpu_check(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [c.split(" ", 2)[1] for c in calls] == ["1"], calls
 
 
 def test_gpu_check_runs_the_wheel_doctor_and_passes_when_everything_does(tmp_path):

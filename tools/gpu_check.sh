@@ -8,6 +8,9 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 # build/debug (`flint-aot build configs/debug_slow_producer.yaml -o build/debug`): here its absence fails
 # the test instead of skipping it.
 export FLINT_REQUIRE_DEBUG_BUNDLE=1
+# The Qwen3 example's cases (tests/test_qwen3_example.py, the GPU one at M = 64) need transformers, which the
+# GPU machine's image has: here its absence fails them instead of skipping them.
+export FLINT_REQUIRE_TRANSFORMERS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # A failed check (the bundle's verification, the tests, the serving wheel's pack, install or doctor, the
 # custom kernel's run) does not stop the script: the rest still runs, and it exits 1 naming each failure.
