@@ -143,6 +143,48 @@ def test_pack_ships_the_plugin_kernel(built, tmp_path):
     assert packed["plugins"]["silu_mul"]["class"] == "SiluMulKernel"
 
 
+# A plugin of two axes written out of alphabetical order (mode before intermediate): the example's kernel
+# with a second axis, which it records and does not use.
+_TWO_AXES = """from silu_mul.kernel import SiluMulKernel
+
+
+class Modes(SiluMulKernel):
+    def __init__(self, spec):
+        spec = dict(spec)
+        self.mode = spec.pop("mode")
+        if self.mode not in ("fast", "exact"):
+            raise ValueError(f"mode must be fast or exact, got {self.mode!r}")
+        super().__init__(spec)
+
+
+KERNEL = Modes
+"""
+
+
+def test_a_fresh_bundle_of_a_plugin_with_axes_out_of_alphabetical_order_verifies(tmp_path):
+    """A plugin whose spec's axes are not in alphabetical order, built into a fresh bundle: each cubin is
+    named with the axes in alphabetical order (docs/plugins.md §2), and `flint-aot verify` finds every
+    variant its recorded config (stored with sorted keys) expands to, every entry sound."""
+    shutil.copytree(EXAMPLE / "silu_mul", tmp_path / "silu_mul", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "modes.py").write_text(_TWO_AXES)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("archs: [sm_90a]\nplugins:\n  act:\n    module: modes\n"
+                   "    spec: {mode: [fast, exact], intermediate: [1024, 2048]}\n")  # fmt: skip
+    r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "b"), "-j", "2", "--cache-dir",
+                                  str(tmp_path / "cache")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    names = [f"act_intermediate{i}_mode{m}" for i in (1024, 2048) for m in ("exact", "fast")]
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.cubin")) == [f"{n}.sm_90a.cubin" for n in names]
+    m = Bundle.open(tmp_path / "b").manifest
+    assert sorted((e.name, e.entry, e.spec["mode"], e.spec["intermediate"]) for e in m.kernels) == sorted(
+        (f"act_intermediate{i}_mode{md}", f"flint_act_intermediate{i}_mode{md}_0", md, i)
+        for i in (1024, 2048) for md in ("exact", "fast"))  # fmt: skip
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "b")])
+    assert r.exit_code == 0 and "4 cubins verified" in r.output, r.output
+    assert sorted(ln.split()[1] for ln in r.output.splitlines() if ln.startswith("ok ")) == [
+        f"{n}@sm_90a" for n in names]  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- misuse: one line each
 _NOT_A_KERNEL = "class Plain:\n    def __init__(self, spec):\n        pass\n"
 _RESERVED = """import cutlass.cute as cute
