@@ -114,15 +114,20 @@ def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv, fmt, k
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_token_tiles_agree(gpu_bundle, fmt, design):
     """Every tile gives each token the bits the 8-token kernel gives it (docs/numerics.md §2): a call of M
-    tokens on either side of each tile edge (8/9, 16/17, 32/33, 64) equals, q row by row and every cache
-    byte, calls of 8 tokens at a time on the same inputs."""
+    tokens on either side of each tile edge (8/9, 16/17, 32/33, 64) equals, q and residual_out row by row
+    and every cache byte, calls of 8 tokens at a time on the same inputs. Every variant at every such M,
+    with a residual and without (without one, residual_out is x itself: only the residual case compares
+    the kernels' residual_out)."""
     if not _has_design(gpu_bundle, design):
         pytest.skip(f"the bundle has no {design}-design qkv kernels")
     vs = variants(gpu_bundle, fmt)
+    assert vs, f"the bundle has no {fmt} qkv kernels"
     for i, (rope, (nq, nkv)) in enumerate(vs):
-        for m in (9, 16, 17, 32, 33, 64)[i % 2 :: 2] if len(vs) > 1 else (9, 16, 17, 32, 33, 64):
-            c = make_case(m, nq, nkv, rope, seed=6100 + 100 * i + m, residual=(i % 2 == 0), fmt=fmt)
-            _agrees_with_8_token_calls(c, design, (rope, nq, nkv, m))
+        for m in (9, 16, 17, 32, 33, 64):
+            for residual in (True, False):
+                seed = 6100 + 1000 * i + 10 * m + residual
+                c = make_case(m, nq, nkv, rope, seed=seed, residual=residual, fmt=fmt)
+                _agrees_with_8_token_calls(c, design, (rope, nq, nkv, m, residual))
 
 
 def _agrees_with_8_token_calls(c, design, what):
