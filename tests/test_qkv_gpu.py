@@ -321,6 +321,38 @@ def test_bad_inputs_raise_and_write_nothing(gpu_bundle):
     check(case, q, r, kb, vb)
 
 
+@pytest.mark.parametrize("design", DESIGNS)
+def test_m_65_is_refused_and_writes_nothing(gpu_bundle, design):
+    """M = 65, one token past the largest tile, is refused (ValueError naming the limit) with nothing written:
+    on a new shape, and again after the same inputs' first 64 tokens ran (and were right); through
+    torch.ops.flint.qkv_fused too. Every cache byte stays as it was."""
+    import loader
+
+    if not _has_design(gpu_bundle, design):
+        pytest.skip(f"the bundle has no {design}-design qkv kernels")
+    nq, nkv = pick_heads(gpu_bundle, "bf16", "bf16", prefer=((32, 4),))
+    c = make_case(65, nq, nkv, True, seed=65)
+    c64 = dict(c, **{k: c[k][:64] for k in ("x", "residual", "positions", "slot_mapping")})
+    bits = lambda t: t.view(torch.int16).clone()  # noqa: E731 (NaN poison compared bit for bit)
+
+    def refused(when):
+        before = [bits(c["k_cache"]), bits(c["v_cache"])]
+        for call in (loader.flint_qkv_fused, torch.ops.flint.qkv_fused):
+            with loader.launch_options(design=design), pytest.raises(ValueError, match=r"1 <= M <= 64"):
+                call(**op_args(c))
+        torch.cuda.synchronize()
+        for name, b in zip(("k_cache", "v_cache"), before, strict=True):
+            assert torch.equal(bits(c[name]), b), f"{when}: {name} written by a refused call"
+
+    refused("a new shape")
+    kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
+    with loader.launch_options(design=design):
+        q, r = run(c64)
+    torch.cuda.synchronize()
+    check(c64, q, r, kb, vb)
+    refused("after M = 64 ran")
+
+
 def test_bad_nvfp4_inputs_raise_and_write_nothing(gpu_bundle):
     import loader
 
