@@ -92,6 +92,28 @@ def run_child(*args: str, timeout: float = 600) -> str:
     return r.stdout
 
 
+def altered_copy(src, dst) -> Path:
+    """A copy of the bundle at src, at dst, whose every cubin has other bytes and the same code: 16 bytes
+    appended past the end of the ELF, which nothing reads (the driver finds an ELF's parts through its
+    headers and is given no size for the image), with the manifest's size and sha256 updated. The loader
+    takes each for a cubin of its own: loaded into a new module, not keyed to src's (for reload tests of a
+    bundle whose cubins changed, where no second build can be had)."""
+    import dataclasses
+    import shutil
+
+    from loader.manifest import MANIFEST_NAME, Manifest, sha256_bytes
+
+    dst = Path(shutil.copytree(src, dst))
+    m = Manifest.load(dst)
+    kernels = []
+    for e in m.kernels:
+        data = (dst / e.file).read_bytes() + b"another cubin\0\0\0"
+        (dst / e.file).write_bytes(data)
+        kernels.append(dataclasses.replace(e, size=len(data), sha256=sha256_bytes(data)))
+    (dst / MANIFEST_NAME).write_text(dataclasses.replace(m, kernels=kernels).dumps())
+    return dst
+
+
 # ----------------------------------------------------------------------------- comparisons
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of a against b (float64)."""
