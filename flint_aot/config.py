@@ -17,7 +17,7 @@
       silu_mul:                          # the kind: a name of your own, not a built-in kind
         module: silu_mul.kernel          # importable (the config file's folder is searched last)
         class: SiluMulKernel             # optional: default the module's KERNEL
-        spec: {intermediate: [6144]}     # axes; their product is the variant matrix
+        spec: {intermediate: [6144]}     # axes; their product is the variant matrix (axes sorted by name)
 
 Every error names the file, the key path, the offending value and what is accepted. What only importing a
 plugin's module can tell (does it import, is its class a flint_aot.Kernel, does it accept each spec) is
@@ -227,6 +227,9 @@ def _plugins(c: _Checker, raw) -> dict:
                 if not (_value(v) or isinstance(v, list) and v and all(_value(x, bool) for x in v)):
                     c.fail(f"{where}[{i}]", v, what)
             axes[axis] = list(values)
+        # the axes in alphabetical order, the one order of a spec's axes (the manifest records the config
+        # with sorted keys; names, expansion and `flint-aot verify` must not depend on the file's order)
+        axes = {axis: axes[axis] for axis in sorted(axes)}
         out[kind] = {"module": p["module"], **({"class": p["class"]} if "class" in p else {}), "spec": axes}
     return out
 
@@ -249,10 +252,11 @@ def _unique_names(config: dict, source: str) -> None:
 
 
 def plugin_spec_name(kind: str, spec: dict) -> str:
-    """A plugin specialization's name: the kind, then each axis and its value (lists joined by x)."""
+    """A plugin specialization's name: the kind, then each axis in alphabetical order (sorted: whatever the
+    order of the config's or the manifest's keys) and its value (lists joined by x)."""
     tok = lambda v: ("x".join(map(tok, v)) if isinstance(v, list) else str(int(v)) if isinstance(v, bool)  # noqa: E731
                      else str(v).replace("-", "m"))  # fmt: skip
-    return kind + "".join(f"_{axis}{tok(v)}" for axis, v in spec.items())
+    return kind + "".join(f"_{axis}{tok(spec[axis])}" for axis in sorted(spec))
 
 
 def _servable(c: dict, source: str) -> None:

@@ -8,9 +8,11 @@ carved out of poisoned guard buffers (tests.helpers.Guarded), the call, and the 
   one the rules allow, and no byte of any buffer changed (inputs, caches, their guard bands);
 * an accepted call was allowed; its new outputs have the right shape, dtype and device; its values match the
   float64 reference (loader.reference; relative Frobenius error < 1e-2, no NaN except the q/k heads of a
-  token whose position is outside the cos/sin table); the caches changed only at the mapped slots (NaN
-  poison everywhere else stays bit-identical) and hold the right values there (FP8: tests.helpers.fp8_close);
-  every input buffer, guard bands included, is bit-identical;
+  token whose position is outside the cos/sin table) and so does every element: q and BF16 k/v within
+  tests.helpers.ELEMENT_TOL of their head's RMS, xn within one bf16 ulp of rms_norm_ref (the norm tests'
+  bound), the GEMV's y within one bf16 rounding plus the fp32 accumulation bound (the unfused tests'); the
+  caches changed only at the mapped slots (NaN poison everywhere else stays bit-identical) and hold the right
+  values there (FP8: tests.helpers.fp8_close); every input buffer, guard bands included, is bit-identical;
 * after every example the device synchronizes without error (else every later example reports the first
   one that broke the context).
 
@@ -31,6 +33,9 @@ from loader.reference import gemv_ref, make_cos_sin_cache, qk_norm_rope_ref, qkv
 from tests.helpers import (
     Guarded,
     as_float,
+    assert_elements_close,
+    assert_gemv_close,
+    assert_ulps_close,
     carve,
     element_index,
     extent,
@@ -1215,18 +1220,21 @@ def run_example(env: Env, s: dict):
     env.counts[op]["result checked" if E.check_values else "accepted, values not compared"] += 1
 
 
-def _check_rows(got, ref, what, nan_rows=()):
+def _check_rows(got, ref, what, nan_rows=(), heads=False):
     """got [M, ...] bf16 against the float64 reference: rows in nan_rows all NaN, the others NaN-free and
-    within 1e-2 relative Frobenius error."""
+    within 1e-2 relative Frobenius error; with heads (got [M, heads, 128]), every element of them within
+    ELEMENT_TOL of its head's RMS too."""
     m = got.shape[0]
     good = [t for t in range(m) if t not in nan_rows]
     for t in nan_rows:
         assert got[t].isnan().all(), f"{what}: token {t} (position outside the table) must be NaN"
     if good:
-        g, r = got[good], ref[good]
+        g, r = got[good], ref[good].to(got.device)
         assert not g.isnan().any(), f"{what}: NaN in tokens {good}"
-        e = rel(g, r.to(g.device))
+        e = rel(g, r)
         assert e < 1e-2, f"{what}: relative error {e:.3g}"
+        if heads:
+            assert_elements_close(g, r, what)
 
 
 def _check_norms(env, s, E, ctx, out, home):
@@ -1246,6 +1254,7 @@ def _check_norms(env, s, E, ctx, out, home):
     if E.check_values:
         ref, _ = rms_norm_ref(x, res, w, float(s["eps"]))
         _check_rows(xn, ref.double(), "xn")
+        assert_ulps_close(xn, ref.to(xn.device), 1, "xn")
 
 
 def _check_gemv(env, s, E, ctx, out, home):
@@ -1253,7 +1262,10 @@ def _check_gemv(env, s, E, ctx, out, home):
     n = w.shape[0]
     _fresh(out, (s["m"], n), home, "y")
     if E.check_values:
-        _check_rows(out, gemv_ref(x, env.dense(ctx.dense)[:n]), "y")
+        dense = env.dense(ctx.dense)[:n]
+        ref = gemv_ref(x, dense)
+        _check_rows(out, ref, "y")
+        assert_gemv_close(out, x, dense, ref, "y")
 
 
 def _bad_tokens(s, ctx, m):
@@ -1289,7 +1301,7 @@ def _check_qkv(env, s, E, ctx, out, home):
         ref = qkv_fused_ref(x, res, a["norm_weight"], float(s["eps"]), env.dense(ctx.dense),
                             a["q_norm_weight"], a["k_norm_weight"], float(s["qk_eps"]), a["cos_sin_cache"],
                             pos, nq, nkv)  # fmt: skip
-        _check_rows(q.view(m, nq, D), ref["q"], "q", bad)
+        _check_rows(q.view(m, nq, D), ref["q"], "q", bad, heads=True)
     _verify_caches(env, s, E, ctx, m, nkv, ref, bad)
 
 
@@ -1304,7 +1316,7 @@ def _check_qk_op(env, s, E, ctx, out, home):
         rq, rk, rv = qk_norm_rope_ref(a["qkv"], a["q_norm_weight"], a["k_norm_weight"], float(s["qk_eps"]),
                                       a["cos_sin_cache"], pos, nq, nkv)  # fmt: skip
         ref = {"q": rq, "k": rk, "v": rv}
-        _check_rows(out.view(m, nq, D), rq, "q", bad)
+        _check_rows(out.view(m, nq, D), rq, "q", bad, heads=True)
     _verify_caches(env, s, E, ctx, m, nkv, ref, bad)
 
 
@@ -1357,6 +1369,7 @@ def _verify_caches(env, s, E, ctx, m, nkv, ref, bad):
             assert not g.isnan().any(), f"{name}_cache: a mapped slot holds NaN"
             e = rel(g, r.to(g.device))
             assert e < 1e-2, f"{name}_cache: relative error {e:.3g}"
+            assert_elements_close(g, r.to(g.device), f"{name}_cache")
 
 
 CHECKS = {"qkv": _check_qkv, "qk_norm_rope_cache": _check_qk_op, "gemv": _check_gemv,

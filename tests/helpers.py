@@ -26,10 +26,11 @@ K, D = HIDDEN, HEAD_DIM
 FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # an FP8 (e4m3) KV cache, or its uint8 view
 FP8_CACHE_POISON = 0x7F  # an e4m3fn NaN byte: what make_case fills FP8 caches with
 POISON = 0xFF  # the guard-buffer byte: NaN as bf16, fp32 and e4m3fn, -1 as int64
-# The per-element bound that check(), check_qk() and check_caches() put on q, k and v (BF16 caches) next to
-# the norm-wise 1e-2: |got - ref| <= ELEMENT_TOL x the RMS of that token's head (its 128 reference values).
-# A norm-wise bound over a whole output lets a few wrong elements through (six of 65,536 at M = 16); this
-# one does not, and it stays fair to a rounding error in an element that RoPE has cancelled to near zero.
+# The per-element bound that check(), check_qk(), check_caches() and the fuzz (tests/fuzz_harness.py) put on
+# q, k and v (BF16 caches) next to the norm-wise 1e-2: |got - ref| <= ELEMENT_TOL x the RMS of that token's
+# head (its 128 reference values). A norm-wise bound over a whole output lets a few wrong elements through
+# (six of 65,536 at M = 16); this one does not, and it stays fair to a rounding error in an element that
+# RoPE has cancelled to near zero.
 # Measured on the CPU, `PYTHONPATH=. python -m tests.test_helpers_cpu 2000`: the kernels' arithmetic emulated
 # by loader.reference in fp32 (qkv_fused_ref(dtype=torch.float32), outputs rounded to bf16 as the kernels
 # store them) against the float64 reference these checks use, over 2000 make_case cases (heads (8, 1),
@@ -91,6 +92,28 @@ def run_child(*args: str, timeout: float = 600) -> str:
     return r.stdout
 
 
+def altered_copy(src, dst) -> Path:
+    """A copy of the bundle at src, at dst, whose every cubin has other bytes and the same code: 16 bytes
+    appended past the end of the ELF, which nothing reads (the driver finds an ELF's parts through its
+    headers and is given no size for the image), with the manifest's size and sha256 updated. The loader
+    takes each for a cubin of its own: loaded into a new module, not keyed to src's (for reload tests of a
+    bundle whose cubins changed, where no second build can be had)."""
+    import dataclasses
+    import shutil
+
+    from loader.manifest import MANIFEST_NAME, Manifest, sha256_bytes
+
+    dst = Path(shutil.copytree(src, dst))
+    m = Manifest.load(dst)
+    kernels = []
+    for e in m.kernels:
+        data = (dst / e.file).read_bytes() + b"another cubin\0\0\0"
+        (dst / e.file).write_bytes(data)
+        kernels.append(dataclasses.replace(e, size=len(data), sha256=sha256_bytes(data)))
+    (dst / MANIFEST_NAME).write_text(dataclasses.replace(m, kernels=kernels).dumps())
+    return dst
+
+
 # ----------------------------------------------------------------------------- comparisons
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative Frobenius error of a against b (float64)."""
@@ -117,6 +140,31 @@ def assert_elements_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> No
             f"ELEMENT_TOL = {ELEMENT_TOL:g} of their head's RMS (worst {worst:.3g}; first at {i}: "
             f"{got[i].item():.6g} vs {ref[i].item():.6g})"
         )
+
+
+def assert_gemv_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, what: str):
+    """Every element of y = x @ w.T (bf16) within one bf16 rounding of the float64 ref plus the fp32
+    accumulation bound: |y - ref| <= ulp(ref) + 2^-13 sum_k |x w| (K = 2048 terms of 2^-24 each)."""
+    _, e = torch.frexp(ref)
+    ulp = torch.ldexp(torch.ones_like(ref), e - 8)
+    mag = x.double().abs() @ w.double().abs().t()
+    bad = ~((y.double() - ref).abs() <= ulp + 2.0**-13 * mag)  # (NaN is bad)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond one bf16 rounding "
+                             f"and the fp32 accumulation bound (first at {i}: {y[i].item():.6g} vs "
+                             f"{ref[i].item():.6g})")  # fmt: skip
+
+
+def assert_ulps_close(got: torch.Tensor, ref: torch.Tensor, ulps: int, what: str) -> None:
+    """Every element of the bf16 tensor got within `ulps` bf16 ulps of the bf16 tensor ref (finite)."""
+    d = bf16_ulps(got, ref)
+    bad = ~(d <= ulps) | got.isnan()
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements more than {ulps} bf16 "
+                             f"ulp(s) off the reference (worst {d.max().item()}; first at {i}: "
+                             f"{got[i].item():.6g} vs {ref[i].item():.6g})")  # fmt: skip
 
 
 def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -274,6 +274,10 @@ class FakeLoader:
             k[t] = float("nan")
         if self.bug == "wrong_q":
             q = q * 1.05
+        if self.bug == "one_q_element":  # half its head's RMS off: a norm-wise check over M = 16 misses it
+            _one_element_off(q.view(m, nq, D), 0.5)
+        if self.bug == "one_v_element":  # (a BF16 cache)
+            _one_element_off(v.view(m, nkv, D), 0.25)
         ns = k_cache.shape[0] * k_cache.shape[1]
         bs = k_cache.shape[1]
         for t, s in enumerate(slot_mapping.tolist()[:m]):
@@ -350,6 +354,8 @@ class FakeLoader:
         y = (x.double() @ dense.T).bfloat16()
         if self.bug == "wrong_q":
             y = y * 1.05
+        if self.bug == "one_y_element":
+            _one_element_off(y, 0.25)
         self._after(x)
         return y
 
@@ -358,7 +364,10 @@ class FakeLoader:
         self._t("weight", weight, (torch.bfloat16,), (K,))
         e = self._eps("eps", eps)
         self._lookup(self.kernels.has("norm", residual=False), "norm")
-        return rms_norm_ref(x, None, weight, e)[0].clone()
+        xn = rms_norm_ref(x, None, weight, e)[0].clone()
+        if self.bug == "one_xn_element":  # two bf16 ulps off
+            xn.view(torch.int16)[x.shape[0] // 2, 5] += 2
+        return xn
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
         x = self._x("x", x)
@@ -368,6 +377,15 @@ class FakeLoader:
         self._lookup(self.kernels.has("norm", residual=True), "norm")
         xn, r = rms_norm_ref(x, residual, weight, e)
         return xn, r.clone()
+
+
+def _one_element_off(t, by):
+    """Move one element of token M // 2 (its last dimension's element 5, of its second row if it has rows)
+    by `by` times the RMS of its row, in place."""
+    row = t[t.shape[0] // 2]
+    if row.dim() > 1:
+        row = row[min(1, row.shape[0] - 1)]
+    row[5] += by * row.double().pow(2).mean().sqrt().item()
 
 
 def _indices(shape):
@@ -607,6 +625,12 @@ BUGS = [
     ("write_negative_slot", with_(base_spec(), slot_values=[3, -1, 0]), "outside the mapped slots"),
     ("wrong_q", base_spec(), "relative error"),
     ("wrong_q", base_spec("gemv"), "relative error"),
+    # one element off, too little for a norm-wise bound over the whole output
+    ("one_q_element", base_spec(m=16), "elements off the reference"),
+    ("one_q_element", base_spec("qk_norm_rope_cache", m=16), "elements off the reference"),
+    ("one_v_element", base_spec(m=16), "v_cache: 1 of"),
+    ("one_y_element", with_(base_spec("gemv", m=16), weight=dict(rows=144)), "y: 1 of"),
+    ("one_xn_element", base_spec("rms_norm", m=16), "xn: 1 of"),
     ("fp8_scale", base_spec("qkv", "fp8"), "e4m3 values off"),
     ("reject_shared", with_(base_spec(), caches=dict(layout="split")), "rejected a valid example"),
     (

@@ -62,9 +62,39 @@ def test_the_plugin_matrix_is_the_product_of_its_axes():
     specs = [s for s in expand(c) if s.kind == "act"]
     assert len(specs) == 2 * 2 * 2 and len({s.label for s in specs}) == 8
     assert {s.plugin for s in specs} == {("pkg.act", "KERNEL")}
-    assert specs[0].name == "act_size64_gated1_tile1x2" and specs[0].spec == {"size": 64, "gated": True,
+    # (the name takes the axes in alphabetical order: gated, size, tile)
+    assert specs[0].name == "act_gated1_size64_tile1x2" and specs[0].spec == {"size": 64, "gated": True,
                                                                               "tile": [1, 2]}  # fmt: skip
     assert [s.kind for s in expand(c)][:2] == ["norm", "norm"]  # the built-ins first, unchanged
+
+
+def test_a_plugin_name_takes_its_axes_in_alphabetical_order_whatever_the_config_s_order():
+    """Axes written out of alphabetical order (as a plugin author may): each specialization is named with its
+    axes in alphabetical order (docs/config.md), so the names do not depend on how the config is serialized:
+    the manifest records the config with sorted keys, and the variants `flint-aot verify` expands from that
+    record are the ones the build named; the same axes in another order name the same specializations."""
+    from flint_aot.cli import _against_config
+    from loader.bundle import Bundle
+
+    def config(spec):
+        return validate({"archs": ["sm_90a"], "plugins": {"act": {"module": "pkg.act", "spec": spec}}}, "c")
+
+    c = config({"mode": ["fast", "exact"], "block": [128, 256]})
+    built = {s.label: s.spec for s in expand(c)}
+    assert sorted(built) == [f"act_block{b}_mode{m}@sm_90a" for b in (128, 256) for m in ("exact", "fast")]
+    assert built["act_block256_modefast@sm_90a"] == {"mode": "fast", "block": 256}
+    recorded = json.loads(json.dumps(c, sort_keys=True))  # what the manifest holds (loader.manifest)
+    assert {s.label: s.spec for s in expand(validate(recorded, "manifest"))} == built
+    other = config({"block": [256, 128], "mode": ["exact", "fast"]})
+    assert {s.label: s.spec for s in expand(other)} == built
+
+    # `flint-aot verify`'s check of the manifest against its recorded config, on the entries a build writes
+    entries = [KernelEntry(s.kind, s.name, s.spec, s.arch, f"{s.name}.{s.arch}.cubin", 1, "0" * 64,
+                           f"flint_{s.name}_0", *SILU[1:], 0, CALLER_GRID, SILU[0], "k")
+               for s in expand(c)]  # fmt: skip
+    rec = {"module": "pkg.act", "class": "KERNEL", "source_sha256": "a" * 64, "files": [], "version": None}
+    m = Manifest("flint-aot test", "4.8.1", c, entries, plugins={"act": rec})
+    assert _against_config(Bundle(ROOT, Manifest.from_dict(json.loads(m.dumps())))) == {}
 
 
 # ----------------------------------------------------------------------------- manifest
@@ -306,6 +336,8 @@ try:
     silu_mul_op.silu_mul(x[:, :2000])
 except ValueError as err:
     assert str(err).startswith("x must be a contiguous [M, 2*I] tensor"), err
+else:  # (neither raised nor launched: a refusal that says nothing)
+    raise AssertionError("silu_mul accepted x of another shape")
 assert len(launched) == 1
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("cutlass", "flint_aot") or m == "silu_mul.kernel"))
 """

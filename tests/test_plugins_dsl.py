@@ -4,6 +4,7 @@ second build finds it cached; a copy elsewhere with a fresh cache gives the same
 source recompiles it and nothing else. Each misuse of the config's plugins section is one line naming the
 file, the key and the fix, before anything compiles."""
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -142,6 +143,48 @@ def test_pack_ships_the_plugin_kernel(built, tmp_path):
     assert packed["plugins"]["silu_mul"]["class"] == "SiluMulKernel"
 
 
+# A plugin of two axes written out of alphabetical order (mode before intermediate): the example's kernel
+# with a second axis, which it records and does not use.
+_TWO_AXES = """from silu_mul.kernel import SiluMulKernel
+
+
+class Modes(SiluMulKernel):
+    def __init__(self, spec):
+        spec = dict(spec)
+        self.mode = spec.pop("mode")
+        if self.mode not in ("fast", "exact"):
+            raise ValueError(f"mode must be fast or exact, got {self.mode!r}")
+        super().__init__(spec)
+
+
+KERNEL = Modes
+"""
+
+
+def test_a_fresh_bundle_of_a_plugin_with_axes_out_of_alphabetical_order_verifies(tmp_path):
+    """A plugin whose spec's axes are not in alphabetical order, built into a fresh bundle: each cubin is
+    named with the axes in alphabetical order (docs/plugins.md §2), and `flint-aot verify` finds every
+    variant its recorded config (stored with sorted keys) expands to, every entry sound."""
+    shutil.copytree(EXAMPLE / "silu_mul", tmp_path / "silu_mul", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "modes.py").write_text(_TWO_AXES)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("archs: [sm_90a]\nplugins:\n  act:\n    module: modes\n"
+                   "    spec: {mode: [fast, exact], intermediate: [1024, 2048]}\n")  # fmt: skip
+    r = CliRunner().invoke(main, ["build", str(cfg), "-o", str(tmp_path / "b"), "-j", "2", "--cache-dir",
+                                  str(tmp_path / "cache")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    names = [f"act_intermediate{i}_mode{m}" for i in (1024, 2048) for m in ("exact", "fast")]
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.cubin")) == [f"{n}.sm_90a.cubin" for n in names]
+    m = Bundle.open(tmp_path / "b").manifest
+    assert sorted((e.name, e.entry, e.spec["mode"], e.spec["intermediate"]) for e in m.kernels) == sorted(
+        (f"act_intermediate{i}_mode{md}", f"flint_act_intermediate{i}_mode{md}_0", md, i)
+        for i in (1024, 2048) for md in ("exact", "fast"))  # fmt: skip
+    r = CliRunner().invoke(main, ["verify", str(tmp_path / "b")])
+    assert r.exit_code == 0 and "4 cubins verified" in r.output, r.output
+    assert sorted(ln.split()[1] for ln in r.output.splitlines() if ln.startswith("ok ")) == [
+        f"{n}@sm_90a" for n in names]  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- misuse: one line each
 _NOT_A_KERNEL = "class Plain:\n    def __init__(self, spec):\n        pass\n"
 _RESERVED = """import cutlass.cute as cute
@@ -231,16 +274,21 @@ def test_a_plugin_misuse_is_one_line_before_anything_compiles(tmp_path, plugin, 
 
 
 def test_an_interrupt_during_the_plugin_check_stops_the_build_at_once(tmp_path):
-    """SIGINT while the plugins' modules are being imported (here one that takes a minute) kills the check
-    process and stops the build with status 130 within seconds: one line, nothing compiled or written."""
+    """SIGINT while the plugins' modules are being imported (here one that takes a minute, its process then
+    frozen by SIGSTOP so that it can never finish by itself) kills the check process and stops the build
+    with status 130: one line, the import never completed, nothing compiled or written. A build that waited
+    for the check instead would wait for ever (STOP_TIMEOUT_S is that failure, not a speed bound)."""
     import os
     import signal
     import time
+
+    from tests.test_cli_interrupt import STOP_TIMEOUT_S, _stopped
 
     (tmp_path / "slow.py").write_text(
         "import os, pathlib, time\n"
         f"pathlib.Path({str(tmp_path / 'pid')!r}).write_text(str(os.getpid()))\n"
         "time.sleep(60)\n"
+        f"pathlib.Path({str(tmp_path / 'imported')!r}).write_text('the import finished')\n"
     )
     cfg = tmp_path / "cfg.yaml"
     plugins = {"act": {"module": "slow"}}
@@ -249,22 +297,30 @@ def test_an_interrupt_during_the_plugin_check_stops_the_build_at_once(tmp_path):
            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
     p = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
+    child = None
     try:
         deadline = time.monotonic() + 120
-        while not (tmp_path / "pid").exists():
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
             assert p.poll() is None and time.monotonic() < deadline, "the check did not start"
             time.sleep(0.05)
         child = int((tmp_path / "pid").read_text())
-        t0 = time.monotonic()
+        os.kill(child, signal.SIGSTOP)  # the check process cannot end by itself now
+        while not _stopped(child):
+            assert time.monotonic() < deadline, "could not freeze the check process"
+            time.sleep(0.02)
         p.send_signal(signal.SIGINT)
-        out = p.communicate(timeout=30)[0]
+        out = p.communicate(timeout=STOP_TIMEOUT_S)[0]
     finally:
         if p.poll() is None:  # (a failure above: this test's build is not left running)
             p.kill()
             p.communicate()
-    assert p.returncode == 130 and time.monotonic() - t0 < 5, (p.returncode, out)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    assert p.returncode == 130, (p.returncode, out)
     assert out.strip().splitlines() == [f"interrupted (SIGINT) while checking the plugin modules: nothing "
                                         f"compiled; {tmp_path / 'out'} untouched"], out  # fmt: skip
+    assert not (tmp_path / "imported").exists(), "the check's import ran to its end"
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()

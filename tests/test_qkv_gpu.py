@@ -11,6 +11,8 @@ from tests.helpers import (
     K,
     as_float,
     check,
+    device_arch,
+    kv_of,
     make_case,
     op_args,
     pick_heads,
@@ -112,15 +114,20 @@ def test_cache_layouts_and_slot_mapping(gpu_bundle, block_size, split_kv, fmt, k
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_token_tiles_agree(gpu_bundle, fmt, design):
     """Every tile gives each token the bits the 8-token kernel gives it (docs/numerics.md §2): a call of M
-    tokens on either side of each tile edge (8/9, 16/17, 32/33, 64) equals, q row by row and every cache
-    byte, calls of 8 tokens at a time on the same inputs."""
+    tokens on either side of each tile edge (8/9, 16/17, 32/33, 64) equals, q and residual_out row by row
+    and every cache byte, calls of 8 tokens at a time on the same inputs. Every variant at every such M,
+    with a residual and without (without one, residual_out is x itself: only the residual case compares
+    the kernels' residual_out)."""
     if not _has_design(gpu_bundle, design):
         pytest.skip(f"the bundle has no {design}-design qkv kernels")
     vs = variants(gpu_bundle, fmt)
+    assert vs, f"the bundle has no {fmt} qkv kernels"
     for i, (rope, (nq, nkv)) in enumerate(vs):
-        for m in (9, 16, 17, 32, 33, 64)[i % 2 :: 2] if len(vs) > 1 else (9, 16, 17, 32, 33, 64):
-            c = make_case(m, nq, nkv, rope, seed=6100 + 100 * i + m, residual=(i % 2 == 0), fmt=fmt)
-            _agrees_with_8_token_calls(c, design, (rope, nq, nkv, m))
+        for m in (9, 16, 17, 32, 33, 64):
+            for residual in (True, False):
+                seed = 6100 + 1000 * i + 10 * m + residual
+                c = make_case(m, nq, nkv, rope, seed=seed, residual=residual, fmt=fmt)
+                _agrees_with_8_token_calls(c, design, (rope, nq, nkv, m, residual))
 
 
 def _agrees_with_8_token_calls(c, design, what):
@@ -314,6 +321,38 @@ def test_bad_inputs_raise_and_write_nothing(gpu_bundle):
     check(case, q, r, kb, vb)
 
 
+@pytest.mark.parametrize("design", DESIGNS)
+def test_m_65_is_refused_and_writes_nothing(gpu_bundle, design):
+    """M = 65, one token past the largest tile, is refused (ValueError naming the limit) with nothing written:
+    on a new shape, and again after the same inputs' first 64 tokens ran (and were right); through
+    torch.ops.flint.qkv_fused too. Every cache byte stays as it was."""
+    import loader
+
+    if not _has_design(gpu_bundle, design):
+        pytest.skip(f"the bundle has no {design}-design qkv kernels")
+    nq, nkv = pick_heads(gpu_bundle, "bf16", "bf16", prefer=((32, 4),))
+    c = make_case(65, nq, nkv, True, seed=65)
+    c64 = dict(c, **{k: c[k][:64] for k in ("x", "residual", "positions", "slot_mapping")})
+    bits = lambda t: t.view(torch.int16).clone()  # noqa: E731 (NaN poison compared bit for bit)
+
+    def refused(when):
+        before = [bits(c["k_cache"]), bits(c["v_cache"])]
+        for call in (loader.flint_qkv_fused, torch.ops.flint.qkv_fused):
+            with loader.launch_options(design=design), pytest.raises(ValueError, match=r"1 <= M <= 64"):
+                call(**op_args(c))
+        torch.cuda.synchronize()
+        for name, b in zip(("k_cache", "v_cache"), before, strict=True):
+            assert torch.equal(bits(c[name]), b), f"{when}: {name} written by a refused call"
+
+    refused("a new shape")
+    kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
+    with loader.launch_options(design=design):
+        q, r = run(c64)
+    torch.cuda.synchronize()
+    check(c64, q, r, kb, vb)
+    refused("after M = 64 ran")
+
+
 def test_bad_nvfp4_inputs_raise_and_write_nothing(gpu_bundle):
     import loader
 
@@ -391,20 +430,31 @@ def test_bad_fp8_cache_inputs_raise_and_write_nothing(gpu_bundle):
     check(case, q, r, kb, vb)
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
-def test_fp8_cache_bytes_from_the_bf16_values(gpu_bundle, fmt):
+def test_fp8_cache_bytes_from_the_bf16_values(gpu_bundle, fmt, design):
     """An FP8 cache holds, bit for bit, e4m3(bf16 value / scale) (round to nearest even, saturated at ±448) of
-    the values the same call writes into a BF16 cache; q is bit-identical. Every FP8 variant, M = 1..16."""
+    the values the same call writes into a BF16 cache; q is bit-identical. Every FP8 variant, M = 1..17 and
+    M = 32, 33 and 64, so every token tile's kernel runs (asserted): check() holds FP8 caches to fp8_close
+    only, which accepts a truncating conversion or one from the fp32 value, and test_token_tiles_agree runs
+    BF16 caches."""
+    import loader
+    from loader import runtime
+
+    if not _has_design(gpu_bundle, design):
+        pytest.skip(f"the bundle has no {design}-design qkv kernels")
     have16 = set(variants(gpu_bundle, fmt, "bf16"))
     both = [v for v in variants(gpu_bundle, fmt, "fp8_e4m3") if v in have16]
     assert both, f"the bundle has no {fmt} qkv variant with both a BF16 and an FP8 KV cache"
+    runtime.thread_cache().clear()  # (what ran, below: this test's launchers only)
     for i, (rope, (nq, nkv)) in enumerate(both):
-        for m in range(1, 17):
-            seed = 5000 + 10 * i + m
+        for m in (*range(1, 18), 32, 33, 64):
+            seed = 5000 + 100 * i + m
             c8 = make_case(m, nq, nkv, rope, seed=seed, fmt=fmt, kv_dtype="fp8_e4m3", cache_u8=(m % 2 == 0))
             c16 = make_case(m, nq, nkv, rope, seed=seed, fmt=fmt)
-            q8, r8 = run(c8)
-            q16, r16 = run(c16)
+            with loader.launch_options(design=design):
+                q8, r8 = run(c8)
+                q16, r16 = run(c16)
             torch.cuda.synchronize()
             assert torch.equal(q8, q16) and torch.equal(r8, r16), f"{rope} {nq}x{nkv} M={m}: q differs"
             for name, scale in (("k_cache", c8["k_scale"]), ("v_cache", c8["v_scale"])):
@@ -417,6 +467,16 @@ def test_fp8_cache_bytes_from_the_bf16_values(gpu_bundle, fmt):
                 assert not diff.any(), (
                     f"{rope} {nq}x{nkv} M={m} {name}: {int(diff.sum())} bytes differ from e4m3(bf16 / scale)"
                 )
+
+    def fp8(e):  # this test's kernels: the fused op's with an FP8 cache, of this format and design
+        return (e.kind == "qkv" and kv_of(e.spec) == "fp8_e4m3" and e.spec["weight_format"] == fmt
+                and e.spec.get("norm", "separate") == design)  # fmt: skip
+
+    ran = {v.entry.spec.get("max_m", 8) for v in runtime.thread_cache().values()
+           if isinstance(v, runtime.Launcher) and fp8(v.entry)}  # fmt: skip
+    arch = device_arch()
+    tiles = {e.spec.get("max_m", 8) for e in gpu_bundle.manifest.kernels if fp8(e) and e.arch == arch}
+    assert ran == tiles, f"FP8-cache kernels of tiles {sorted(tiles - ran)} never ran"
 
 
 def test_slow_producer(gpu_bundle):

@@ -7,6 +7,8 @@ load on a GPU.)"""
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import torch
 
 from loader import plans, runtime
 from loader.manifest import KernelEntry, Manifest, Param
+from tests.conftest import HAS_GPU, ROOT
 
 
 class _Driver:
@@ -184,3 +187,27 @@ def test_a_child_that_crashes_fails_with_its_output():
         )
     with pytest.raises(AssertionError, match="exit 0"):
         run_child("-c", "print('done')")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="CPU check of test_reload_gpu.py's children: a GPU runs the real ones")
+@pytest.mark.parametrize("child, fault, says", [
+    ("reload", "none", None),
+    ("midcall", "none", None),
+    ("graph", "none", None),
+    ("midcall", "lazy_launchers", "the call in flight launched the new bundle's kernels"),
+    ("midcall", "no_generation_bump", "the call after the reload ran kernels of the earlier bundle"),
+    ("graph", "no_generation_bump", "the eager call did not run the new bundle's kernels"),
+])  # fmt: skip
+def test_the_gpu_reload_tests_children_on_a_fake_op(child, fault, says):
+    """tests/test_reload_gpu.py's children, unchanged, against a fake fused op through the real runtime
+    (tests/reload_children_cpu.py): each passes on the real loader logic, and fails, saying what went wrong,
+    on a planted fault (a call that fetches a launcher when it launches it; a reload that leaves every
+    thread's launchers and plans in place)."""
+    r = subprocess.run([sys.executable, "-m", "tests.reload_children_cpu", child, fault], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    if says is None:
+        assert r.returncode == 0 and f"harness ok {child} none" in r.stdout, r.stdout + r.stderr[-3000:]
+    else:
+        assert r.returncode == 1 and "harness ok" not in r.stdout, r.stdout + r.stderr[-3000:]
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("AssertionError: ") and last.endswith(says), r.stderr[-3000:]

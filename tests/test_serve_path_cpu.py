@@ -60,6 +60,25 @@ def test_cpu_and_meta_tensors_are_refused_before_any_cuda_call():
         ), line
 
 
+@pytest.mark.parametrize("m", [0, 65, 128])
+def test_the_fused_op_refuses_m_outside_1_to_64_first(m):
+    """flint_qkv_fused (and torch.ops.flint.qkv_fused) serve 1 <= M <= 64: M = 0, 65 (one token past the
+    largest tile) or more is a ValueError naming the limit, raised before anything else is looked at (here
+    CPU tensors, which M = 64 gets refused for instead: the limit is exactly 64). The GPU side is
+    test_qkv_gpu.py's test_m_65_is_refused_and_writes_nothing."""
+    import torch
+
+    import loader
+
+    c = _qkv_inputs(m, 16, 2, "bf16", True, "bf16")
+    for call in (loader.flint_qkv_fused, torch.ops.flint.qkv_fused):
+        with pytest.raises(ValueError, match=r"^x must have shape \[M, 2048\] with 1 <= M <= 64 "):
+            call(**c)
+    ok = _qkv_inputs(64, 16, 2, "bf16", True, "bf16")
+    with pytest.raises(ValueError, match="^x must be on a CUDA device, got cpu"):
+        loader.flint_qkv_fused(**ok)
+
+
 def _pointer_of(dry, role):
     return dry.launched[-1][1][role]
 

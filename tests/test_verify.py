@@ -70,6 +70,23 @@ def test_sound_bundle_verifies(bundle):
     assert r.output.count("ok  ") == 2
 
 
+def test_an_altered_copy_verifies_with_other_bytes_and_the_same_kernels(sound, tmp_path):
+    """tests.helpers.altered_copy (the GPU reload tests' bundle of changed cubins): every cubin's bytes and
+    sha256 differ from the original's, the copy verifies, and each cubin reads as the same kernels
+    (entry, parameters, block, registers) at the same SM."""
+    from tests.helpers import altered_copy
+
+    copy = altered_copy(sound, tmp_path / "altered")
+    r = _verify(copy)
+    assert r.exit_code == 0 and "2 cubins verified" in r.output, r.output
+    a, b = Bundle.open(sound).manifest.kernels, Bundle.open(copy).manifest.kernels
+    assert [e.name for e in a] == [e.name for e in b]
+    for e, f in zip(a, b, strict=True):
+        old, new = (sound / e.file).read_bytes(), (copy / f.file).read_bytes()
+        assert new != old and new.startswith(old) and e.sha256 != f.sha256 and f.size == len(new)
+        assert read_cubin(new) == read_cubin(old)
+
+
 def test_removed_entry_is_found_both_ways(bundle):
     m = _manifest(bundle)
     m["kernels"] = [k for k in m["kernels"] if k["file"] != VICTIM]
