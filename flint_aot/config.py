@@ -93,6 +93,13 @@ class _Checker:
                 raise ConfigError(f"{self.source}: {(path + '.' + k).lstrip('.')}: missing (required)")
         return d
 
+    def max_tokens(self, v, path: str) -> int:
+        """The most tokens a call of an unfused norm or per-head op may have: at least the fused op's MAX_M
+        (its two-kernel design runs the norm kernel), at most what the kernels' grids and offsets hold."""
+        if isinstance(v, bool) or not isinstance(v, int) or not MAX_M <= v <= abi.TOKENS_LIMIT:
+            self.fail(path, v, f"an integer in {MAX_M}..{abi.TOKENS_LIMIT} (default {abi.MAX_TOKENS})")
+        return v
+
     def nonempty_unique_list(self, v, path: str, accepted: str) -> list:
         if not isinstance(v, list) or not v:
             self.fail(path, v, f"a non-empty list of {accepted}")
@@ -150,8 +157,10 @@ def validate(raw, source: str = "<config>") -> dict:
     c.mapping(raw, "", {"archs": True, **{k: False for k in KINDS}, "plugins": False, "diagnostics": False})
     out = {"archs": list(c.choices(raw["archs"], "archs", ARCHS))}
     if "norm" in raw:
-        n = c.mapping(raw["norm"], "norm", {"residual": True})
+        n = c.mapping(raw["norm"], "norm", {"residual": True, "max_tokens": False})
         out["norm"] = {"residual": list(c.bools(n["residual"], "norm.residual"))}
+        if "max_tokens" in n:
+            out["norm"]["max_tokens"] = c.max_tokens(n["max_tokens"], "norm.max_tokens")
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
                                           "kv_cache_dtype": False, "norm": False,
@@ -171,14 +180,16 @@ def validate(raw, source: str = "<config>") -> dict:
         tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
         out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
     if "qk_norm_rope_cache" in raw:
-        g = c.mapping(
-            raw["qk_norm_rope_cache"], "qk_norm_rope_cache", {"rope": True, "kv_cache_dtype": False}
-        )
+        g = c.mapping(raw["qk_norm_rope_cache"], "qk_norm_rope_cache",
+                      {"rope": True, "kv_cache_dtype": False, "max_tokens": False})  # fmt: skip
         out["qk_norm_rope_cache"] = {
             "rope": list(c.bools(g["rope"], "qk_norm_rope_cache.rope")),
             "kv_cache_dtype": list(c.choices(g.get("kv_cache_dtype", ["bf16"]),
                                              "qk_norm_rope_cache.kv_cache_dtype", KV_CACHE_DTYPES)),
         }  # fmt: skip
+        if "max_tokens" in g:
+            limit = c.max_tokens(g["max_tokens"], "qk_norm_rope_cache.max_tokens")
+            out["qk_norm_rope_cache"]["max_tokens"] = limit
     if "plugins" in raw:
         out["plugins"] = _plugins(c, raw["plugins"])
     if not any(k in out for k in (*KINDS, "plugins")):

@@ -11,7 +11,10 @@ from __future__ import annotations
 HIDDEN = 2048  # K: the model's hidden size, the GEMV's reduction length
 HEAD_DIM = 128
 HALF_DIM = HEAD_DIM // 2
-MAX_M = 64  # decode tokens per call
+MAX_M = 64  # decode tokens per call: the fused op and the GEMV
+# The unfused norm and per-head ops serve prefill chunks too: up to the config's max_tokens (norm and
+# qk_norm_rope_cache sections; default MAX_TOKENS, at least MAX_M, at most what their grids can hold)
+MAX_TOKENS = 16384
 # compile-time token tiles of the GEMV kernels (qkv, gemv): the loader runs the smallest that holds M; tiles
 # above 8 are the token stream (docs/kernels.md §2.5)
 M_TILES = (8, 16, 32, 64)
@@ -31,15 +34,19 @@ KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
 NORM_MODES = ("separate", "prologue")  # qkv: input norm in its own kernel, or in the qkv kernel's prologue
 
 # Grid rules name these symbols; the loader supplies their values at launch (ROW_BLOCKS_4: ROW_BLOCKS
-# rounded up to a multiple of 4).
+# rounded up to a multiple of 4; TOKEN_BLOCKS: M over QKNRC_TOKENS, rounded up).
 CALLER_GRID = ("GRID_X", "GRID_Y", "GRID_Z")  # a plugin kernel's rule: the caller gives the grid
-GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS", "ROW_BLOCKS_4", *CALLER_GRID)
+GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS", "ROW_BLOCKS_4", "TOKEN_BLOCKS", *CALLER_GRID)
 GRID = {
     "norm": ("M", 1, 1),  # one CTA per token
     "qkv": ("ROW_BLOCKS", 1, 1),  # one CTA per 16 weight rows, clusters of CLUSTER
     "gemv": ("ROW_BLOCKS", 1, 1),
-    "qk_norm_rope_cache": ("HEADS", 1, 1),  # one CTA per q, k and v head
+    "qk_norm_rope_cache": ("HEADS", "TOKEN_BLOCKS", 1),  # one CTA per head and QKNRC_TOKENS tokens
 }
+QKNRC_TOKENS = 16  # tokens per CTA of qk_norm_rope_cache (TOKEN_BLOCKS: M / QKNRC_TOKENS, rounded up)
+# the largest max_tokens: qk_norm_rope_cache's TOKEN_BLOCKS within grid.y's 65535, and the norm kernel's
+# 32-bit element offsets (row * HIDDEN) below 2**31
+TOKENS_LIMIT = min(QKNRC_TOKENS * 65535, ((1 << 31) - 1) // HIDDEN)
 # the standalone GEMV's token stream (tiles > 8): clusters of 4 CTAs, one per K quarter of 64 rows
 STREAM_CLUSTER_GEMV = 4
 GRID_STREAM_GEMV = ("ROW_BLOCKS_4", 1, 1)

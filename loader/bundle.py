@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from loader.abi import MAX_TOKENS
 from loader.elf import check_cubin
 from loader.manifest import Manifest, ManifestError
 
@@ -37,6 +38,12 @@ class Bundle:
                 "loader.load_bundle() at an existing one"
             )
         return cls(p.resolve(), Manifest.load(p))
+
+    def max_tokens(self, kind: str) -> int:
+        """The most tokens a call of the unfused norm or per-head op may have with this bundle: its config's
+        `max_tokens` of that kind (docs/config.md)."""
+        section = self.manifest.config.get(kind)
+        return int(section.get("max_tokens", MAX_TOKENS)) if isinstance(section, dict) else MAX_TOKENS
 
     def file_path(self, entry) -> Path:
         f = (self.path / entry.file).resolve()

@@ -19,6 +19,15 @@ ROWS = [torch.Size([m, HIDDEN]) for m in range(MAX_M + 1)]
 TOKENS = [torch.Size([m]) for m in range(MAX_M + 1)]
 
 
+def rows(m: int) -> torch.Size:
+    """[m, HIDDEN] (kept for the decode sizes)."""
+    return ROWS[m] if m <= MAX_M else torch.Size([m, HIDDEN])
+
+
+def tokens(m: int) -> torch.Size:
+    return TOKENS[m] if m <= MAX_M else torch.Size([m])
+
+
 def tensor(name: str, t, dtype, shape, dev: int) -> None:
     """t is a contiguous tensor of this dtype and shape on CUDA device dev."""
     if not isinstance(t, Tensor):
@@ -50,13 +59,15 @@ def eps(name: str, v) -> float:
     return float(v)
 
 
-def activations(x, name: str = "x", cols: int = HIDDEN) -> tuple[int, int]:
-    """(M, device index) of a contiguous bf16 [M, cols] on a CUDA device, 1 <= M <= MAX_M."""
+def activations(x, name: str = "x", cols: int = HIDDEN, limit: int = MAX_M,
+                why: str = "the kernels' limit") -> tuple[int, int]:  # fmt: skip
+    """(M, device index) of a contiguous bf16 [M, cols] on a CUDA device, 1 <= M <= limit (the fused op and
+    the GEMV: MAX_M; the unfused norm and per-head ops: the bundle's max_tokens, named by `why`)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     s = x.shape
-    if len(s) != 2 or s[1] != cols or not 1 <= s[0] <= MAX_M:
-        raise ValueError(f"{name} must have shape [M, {cols}] with 1 <= M <= {MAX_M} (the kernels' limit), "
+    if len(s) != 2 or s[1] != cols or not 1 <= s[0] <= limit:
+        raise ValueError(f"{name} must have shape [M, {cols}] with 1 <= M <= {limit} ({why}), "
                          f"got {list(s)}")  # fmt: skip
     dev = x.get_device()
     if dev < 0:

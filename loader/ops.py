@@ -14,7 +14,9 @@ from torch import Tensor
 
 from loader import abi, checks, plans, runtime
 from loader.abi import HEAD_DIM
-from loader.checks import BF16, F32, HEAD_SHAPE, HIDDEN_SHAPE, I32_MAX, I64, ROWS, TOKENS
+from loader.bundle import BundleError
+from loader.checks import BF16, F32, HEAD_SHAPE, HIDDEN_SHAPE, I32_MAX, I64, ROWS
+from loader.manifest import ManifestError
 
 # torch's current stream of a device as a raw handle (0.1 µs; torch.cuda.current_stream costs ~5 µs)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -70,11 +72,21 @@ def _xn_layout(strides: tuple[int, int, int], pairs: int = 0) -> dict:
     return dict(zip(("xn_group", "xn_row", "xn_quarter"), strides, strict=True)) | {"xn_pairs": pairs}
 
 
+def _token_limit(kind: str) -> tuple[int, str]:
+    """An unfused op's limit on M (the bundle's max_tokens of its kind) and its name, for the checks; without
+    a readable bundle the default (the kernel lookup after the checks then says what is wrong with it)."""
+    try:
+        limit = runtime.current_bundle().max_tokens(kind)
+    except (BundleError, ManifestError):
+        limit = abi.MAX_TOKENS
+    return limit, f"the bundle's {kind}.max_tokens"
+
+
 def _norm_plan(names, renames, args, has_res) -> plans.Plan:
     x, residual, weight = args
-    m, dev = checks.activations(x)
+    m, dev = checks.activations(x, "x", abi.HIDDEN, *_token_limit("norm"))
     if has_res:
-        checks.tensor("residual", residual, BF16, ROWS[m], dev)
+        checks.tensor("residual", residual, BF16, checks.rows(m), dev)
     checks.tensor("weight", weight, BF16, HIDDEN_SHAPE, dev)
     p = plans.Plan(dev, (), names=names)
     consts = _xn_layout(abi.ROW_MAJOR) | ({} if has_res else {"residual": 0})  # (without: it reads none)
@@ -96,8 +108,8 @@ def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= MAX_M
-    (docs/api.md §4)."""
+    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= the bundle's
+    norm.max_tokens (16384 by default; docs/api.md §4)."""
     if _compiling():
         return torch.ops.flint.rms_norm(x, weight, eps)
     return _norm(x, None, weight, eps)[0]
@@ -154,7 +166,7 @@ def _stage(m, nkv, dev, q_norm_weight, k_norm_weight, cos_sin_cache, positions, 
         checks.scalar("v_scale", v_scale, dev)
     checks.tensor("q_norm_weight", q_norm_weight, BF16, HEAD_SHAPE, dev)
     checks.tensor("k_norm_weight", k_norm_weight, BF16, HEAD_SHAPE, dev)
-    checks.tensor("positions", positions, I64, TOKENS[m], dev)
+    checks.tensor("positions", positions, I64, checks.tokens(m), dev)
     checks.tensor("slot_mapping", slot_mapping, I64, s, dev)
     if kv != "bf16":  # the values last: reading them is the first CUDA call
         checks.kv_scale("k_scale", k_scale, dev, False)
@@ -314,13 +326,15 @@ _QKNRC = ("qkv", "q_norm_weight", "k_norm_weight", "cos_sin_cache", "positions",
 
 def _qknrc_plan(names, renames, args, nq, nkv) -> plans.Plan:
     qkv, *head = args
-    m, dev = checks.activations(qkv, "qkv", (nq + 2 * nkv) * HEAD_DIM)
+    cols, limit = (nq + 2 * nkv) * HEAD_DIM, _token_limit("qk_norm_rope_cache")
+    m, dev = checks.activations(qkv, "qkv", cols, *limit)
     kv, consts, stage = _stage(m, nkv, dev, *head)
     rope = stage.rope
     k = _launcher(dev, "qk_norm_rope_cache", (rope, kv), lambda: abi.qk_norm_rope_cache_spec(rope, kv))
     p = plans.Plan(dev, (), out=_out(qkv, dev, m, nq * HEAD_DIM), stage=stage, names=names)
     consts.update(num_q_heads=nq, num_kv_heads=nkv)
-    plans.bind(p, names + ("q", "qk_eps"), [(k, {"M": m, "HEADS": nq + 2 * nkv}, consts, renames)])
+    symbols = {"M": m, "HEADS": nq + 2 * nkv, "TOKEN_BLOCKS": -(-m // abi.QKNRC_TOKENS)}
+    plans.bind(p, names + ("q", "qk_eps"), [(k, symbols, consts, renames)])
     return p
 
 

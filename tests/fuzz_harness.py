@@ -28,7 +28,7 @@ import torch
 from hypothesis import strategies as st
 
 from loader import nvfp4
-from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_GEMV_ROWS, MAX_M
+from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_GEMV_ROWS, MAX_M, MAX_TOKENS
 from loader.reference import gemv_ref, make_cos_sin_cache, qk_norm_rope_ref, qkv_fused_ref, rms_norm_ref
 from tests.helpers import (
     Guarded,
@@ -115,6 +115,8 @@ class FuzzConfig:
     homes: tuple = (0,)  # CUDA device indices an example may run on
     extra_heads: tuple = ((24, 4), (8, 2), (4, 4), (64, 8))  # valid head counts, likely not in the bundle
     gemv_rows: tuple = (16, 48, 144, 2064, 5120)
+    max_tokens: int = MAX_TOKENS  # the bundle's limit on M for the unfused norms and per-head op
+    big_m: tuple = (65, 257, 1000, 4096, MAX_TOKENS)  # prefill sizes the unfused ops' M is drawn from
 
 
 BAD_HEADS = ((31, 4), (0, 1), (8, 0), (-8, -1), (True, 1), (16.0, 2), (16, 2.0), (4, 8))
@@ -326,15 +328,27 @@ def gscale_arg(draw, cfg, fmt: str):
     return g
 
 
-def _m(draw):
+def _m(draw, cfg=None):
+    """M: a decode size (1..64) mostly; for the unfused norms and per-head op (cfg given) also prefill
+    sizes up to the bundle's max_tokens (10 %); a size past the op's limit now and then (5 %)."""
+    limit = MAX_M if cfg is None else cfg.max_tokens
     if _rare(draw, 5):
-        return draw(st.sampled_from([0, MAX_M + 1, 2 * MAX_M]))
+        return draw(st.sampled_from([0, limit + 1, 2 * limit]))
+    if cfg is not None and _rare(draw, 10):
+        return draw(st.sampled_from([b for b in cfg.big_m if b <= limit] + [limit]))
     return draw(st.integers(1, MAX_M))
+
+
+def m_limit(op: str, cfg_max_tokens: int = MAX_TOKENS) -> int:
+    """The most tokens a call of op may have: the fused op and the GEMV MAX_M, the unfused norms and the
+    per-head op the bundle's max_tokens."""
+    return MAX_M if op in ("qkv", "gemv") else cfg_max_tokens
 
 
 def _common(draw, cfg, op):
     return dict(op=op, seed=draw(st.integers(0, 2**31 - 1)), home=draw(st.sampled_from(cfg.homes)),
-                pdl=not _rare(draw, 25), checked=_rare(draw, 15))  # fmt: skip
+                pdl=not _rare(draw, 25), checked=_rare(draw, 15),
+                m_limit=m_limit(op, cfg.max_tokens))  # fmt: skip
 
 
 def _heads(draw, cfg):
@@ -398,7 +412,7 @@ def qkv_spec(draw, cfg: FuzzConfig):
 @st.composite
 def qk_norm_rope_cache_spec(draw, cfg: FuzzConfig):
     s = _common(draw, cfg, "qk_norm_rope_cache")
-    m = s["m"] = _m(draw)
+    m = s["m"] = _m(draw, cfg)
     nq, nkv = s["heads"] = _heads(draw, cfg)
     proper = _proper_heads(nq, nkv)
     n = (nq + 2 * nkv) * D if proper else 2560
@@ -424,7 +438,7 @@ def gemv_spec(draw, cfg: FuzzConfig):
 
 def _norm_spec(draw, cfg, op):
     s = _common(draw, cfg, op)
-    m = s["m"] = _m(draw)
+    m = s["m"] = _m(draw, cfg)
     bad = 8  # % per tensor: these ops have few arguments
     s["x"] = tensor_arg(
         draw, cfg, (m, K), "bf16", ("randn", 3.0, 0.0), ["f32", "f16"], shape_dims=[1], pct_bad=bad
@@ -812,7 +826,7 @@ def _check_qk(E, s, m, nkv):
 def expect(s: dict, kernels: Kernels) -> Expect:
     E = Expect()
     op, m = s["op"], s["m"]
-    if not 1 <= m <= MAX_M:
+    if not 1 <= m <= s.get("m_limit", MAX_M):
         E.bad(f"M = {m}", {ValueError})
     if op in ("rms_norm", "fused_add_rms_norm", "gemv", "qkv"):
         _check_tensor(E, "x", s["x"], ("bf16",), (m, K))

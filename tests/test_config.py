@@ -2,6 +2,7 @@ import pytest
 import yaml
 
 from flint_aot.config import ConfigError, expand, load_config, validate
+from tests.conftest import ROOT
 
 GOOD = {
     "archs": ["sm_90a", "sm_100a"],
@@ -250,3 +251,27 @@ def test_sanitizer_bundle_holds_every_kernel_its_script_reaches():
     assert n_qkv >= 4 * 2 * 2 * 2, "the script's cases no longer reach M = 1, 16, 32, 64"
     missing = [n for n in need if n not in have]
     assert not missing, missing
+
+
+def test_the_unfused_ops_token_limit_is_named_by_the_config():
+    """norm.max_tokens and qk_norm_rope_cache.max_tokens: the most tokens a call of the unfused norms and
+    per-head op may have (prefill chunks; default loader.abi.MAX_TOKENS), at least the fused op's 64, at most
+    what their grids and offsets hold; recorded as given, refused by name otherwise. The loader reads it
+    from the bundle's manifest (loader.bundle.Bundle.max_tokens)."""
+    from loader import abi
+    from loader.bundle import Bundle
+    from loader.manifest import Manifest
+
+    raw = {"archs": ["sm_90a"], "norm": {"residual": [True], "max_tokens": 4096},
+           "qk_norm_rope_cache": {"rope": [True], "max_tokens": abi.TOKENS_LIMIT}}  # fmt: skip
+    cfg = validate(raw)
+    assert cfg["norm"]["max_tokens"] == 4096 and cfg["qk_norm_rope_cache"]["max_tokens"] == abi.TOKENS_LIMIT
+    assert [s.spec for s in expand(cfg) if s.kind == "norm"] == [{"residual": True}]  # (not a spec key)
+    b = Bundle(ROOT, Manifest("g", "4.8.1", cfg, []))
+    assert b.max_tokens("norm") == 4096 and b.max_tokens("qk_norm_rope_cache") == abi.TOKENS_LIMIT
+    assert Bundle(ROOT, Manifest("g", "4.8.1", validate(GOOD), [])).max_tokens("norm") == abi.MAX_TOKENS
+    assert abi.TOKENS_LIMIT * abi.HIDDEN < 1 << 31 and -(-abi.TOKENS_LIMIT // abi.QKNRC_TOKENS) <= 65535
+    for bad in (63, 0, -1, abi.TOKENS_LIMIT + 1, 1.5, True, "16384"):
+        _err({**raw, "norm": {"residual": [True], "max_tokens": bad}}, "norm.max_tokens", "64..")
+        _err({**raw, "qk_norm_rope_cache": {"rope": [True], "max_tokens": bad}},
+             "qk_norm_rope_cache.max_tokens", "64..")  # fmt: skip

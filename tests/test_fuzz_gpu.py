@@ -61,7 +61,9 @@ def fuzz(gpu_bundle):
     two = torch.cuda.device_count() >= 2
     home = torch.empty(0, device="cuda:0").device
     other = torch.empty(0, device="cuda:1").device if two else None
-    cfg = FuzzConfig(kernels, foreign=("cpu", "other") if two else ("cpu",), homes=(0, 1) if two else (0,))
+    limit = min(gpu_bundle.max_tokens("norm"), gpu_bundle.max_tokens("qk_norm_rope_cache"))
+    cfg = FuzzConfig(kernels, foreign=("cpu", "other") if two else ("cpu",), homes=(0, 1) if two else (0,),
+                     max_tokens=limit)  # fmt: skip
     return cfg, Env(loader, kernels, home, other=other)
 
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from loader import nvfp4  # noqa: E402
-from loader.abi import F32_MAX, MAX_GEMV_ROWS, MAX_M  # noqa: E402
+from loader.abi import F32_MAX, MAX_GEMV_ROWS, MAX_M, MAX_TOKENS  # noqa: E402
 from loader.reference import fp8_cache_value, make_cos_sin_cache, qk_norm_rope_ref, rms_norm_ref  # noqa: E402
 from tests import fuzz_harness as fh  # noqa: E402
 from tests import helpers as h  # noqa: E402
@@ -113,13 +113,13 @@ class FakeLoader:
             raise ValueError("num_q_heads must be a multiple of num_kv_heads")
         return nq, nkv
 
-    def _x(self, name, x):
+    def _x(self, name, x, limit=MAX_M):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a tensor")
         if x.dim() != 2 or x.shape[1] != K:
             raise ValueError(f"{name} must have shape [M, {K}]")
-        if not 1 <= x.shape[0] <= MAX_M:
-            raise ValueError(f"{name} has M = {x.shape[0]}; 1 <= M <= {MAX_M}")
+        if not 1 <= x.shape[0] <= limit:
+            raise ValueError(f"{name} has M = {x.shape[0]}; 1 <= M <= {limit}")
         return self._t(name, x, (torch.bfloat16,))
 
     def _weight(self, w, ws, gs, rows):
@@ -333,8 +333,8 @@ class FakeLoader:
         if not isinstance(qkv, torch.Tensor):
             raise TypeError("qkv must be a tensor")
         n = (nq + 2 * nkv) * D
-        if qkv.dim() != 2 or qkv.shape[1] != n or not 1 <= qkv.shape[0] <= MAX_M:
-            raise ValueError(f"qkv must have shape [M, {n}], 1 <= M <= {MAX_M}")
+        if qkv.dim() != 2 or qkv.shape[1] != n or not 1 <= qkv.shape[0] <= MAX_TOKENS:
+            raise ValueError(f"qkv must have shape [M, {n}], 1 <= M <= {MAX_TOKENS}")
         self._t("qkv", qkv, (torch.bfloat16,))
         m = qkv.shape[0]
         qe, kv, scales = self._qk(m, nq, nkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache,
@@ -360,7 +360,7 @@ class FakeLoader:
         return y
 
     def rms_norm(self, x, weight, eps):
-        x = self._x("x", x)
+        x = self._x("x", x, MAX_TOKENS)
         self._t("weight", weight, (torch.bfloat16,), (K,))
         e = self._eps("eps", eps)
         self._lookup(self.kernels.has("norm", residual=False), "norm")
@@ -370,7 +370,7 @@ class FakeLoader:
         return xn
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
-        x = self._x("x", x)
+        x = self._x("x", x, MAX_TOKENS)
         self._t("residual", residual, (torch.bfloat16,), (x.shape[0], K))
         self._t("weight", weight, (torch.bfloat16,), (K,))
         e = self._eps("eps", eps)

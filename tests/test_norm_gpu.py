@@ -197,3 +197,36 @@ def test_the_qkv_kernels_layouts_are_written_exactly(gpu_bundle, fmt, m, tile):
     rest = torch.ones_like(buf, dtype=torch.bool)
     rest[off.flatten()] = False
     assert buf[rest].isnan().all(), f"{(~buf[rest].isnan()).sum().item()} elements written outside the layout"
+
+
+@pytest.mark.parametrize("m", [65, 1000, 16384])
+def test_the_norms_at_prefill_sizes(gpu_bundle, m):
+    """M past the decode sizes (a prefill chunk, up to the bundle's norm.max_tokens): one CTA per token as at
+    M <= 64, every element of xn within one ulp of the reference (the same share exact), residual_out exact,
+    outputs poisoned first (torch.empty_like is NaN-filled) and written whole."""
+    import loader
+
+    assert m <= gpu_bundle.max_tokens("norm")
+    x, r, w = _inputs(m, 300 + m)
+    real = torch.empty_like
+    try:
+        torch.empty_like = lambda t, **kw: real(t, **kw).fill_(float("nan"))
+        xn, res_out = loader.fused_add_rms_norm(x, r, w, 1e-6)
+        xn0 = loader.rms_norm(x, w, 1e-5)
+    finally:
+        torch.empty_like = real
+    torch.cuda.synchronize()
+    ref_xn, ref_res = rms_norm_ref(x, r, w, 1e-6)
+    assert torch.equal(res_out, ref_res)
+    _check_xn(xn, ref_xn)
+    _check_xn(xn0, rms_norm_ref(x, None, w, 1e-5)[0])
+
+
+def test_the_norms_refuse_more_tokens_than_the_bundle_serves(gpu_bundle):
+    import loader
+
+    limit = gpu_bundle.max_tokens("norm")
+    x, r, w = _inputs(limit + 1, 5)
+    for call in (lambda: loader.rms_norm(x, w, 1e-6), lambda: loader.fused_add_rms_norm(x, r, w, 1e-6)):
+        with pytest.raises(ValueError, match=rf"1 <= M <= {limit} \(the bundle's norm.max_tokens\)"):
+            call()

@@ -273,8 +273,14 @@ def test_qk_norm_rope_cache_schedule(tmp_path, kv, arch):
     before, after = _split(sass)
     assert any("PREEXIT" in ln for ln in before), "launch_dependents must come first"
     loads_before = [ln for ln in before if re.search(r"\bLDG\b", ln)]
-    assert len(loads_before) <= 2, loads_before  # at most the q and k norm weights of this thread's dim
+    # the q and k norm weights of this lane's 8 dims and of their RoPE partners: 4 loads of 16 bytes, and no
+    # other load before the wait
+    assert len(loads_before) == 4 and all("LDG.E.128" in ln for ln in loads_before), loads_before
     assert any(re.search(r"\bLDG\.E\.64\b", ln) for ln in after), "positions / slots after the wait"
+    # a half-warp per (token, head): qkv in 16-byte loads (2 tokens a lane), q in 16-byte stores, the
+    # per-head sum in the lane and 9 shuffles (lane ^ 1, then the 8 blocks' sums), no local memory
+    assert sum("LDG.E.128" in ln for ln in after) >= 2 and any("STG.E.128" in ln for ln in after)
+    assert sum("SHFL.IDX" in ln for ln in after) == 2 * 8
     if kv == "fp8_e4m3":  # e4m3 conversion with saturation, one byte per cache element
         assert any("F2FP" in ln and "E4M3" in ln for ln in after) and any(re.search(r"\bSTG\.E\.U8\b", ln)
                                                                          for ln in after)  # fmt: skip

@@ -79,6 +79,34 @@ def test_the_fused_op_refuses_m_outside_1_to_64_first(m):
         loader.flint_qkv_fused(**ok)
 
 
+def test_the_unfused_ops_take_prefill_chunks_and_refuse_past_their_limit():
+    """The norms and qk_norm_rope_cache serve 1 <= M <= the bundle's max_tokens (16,384 by default, more than
+    the fused op's 64): M = 16,384 passes the M check (refused for its CPU tensors instead), M = 16,385 is a
+    ValueError naming the limit and the config key, before any CUDA call; the GEMV keeps 64."""
+    import torch
+
+    import loader
+    from loader.abi import MAX_TOKENS
+
+    w = torch.ones(2048, dtype=torch.bfloat16)
+    limit = rf"with 1 <= M <= {MAX_TOKENS} \(the bundle's norm.max_tokens\)"
+    for m, want in ((MAX_TOKENS, "^x must be on a CUDA device"), (MAX_TOKENS + 1, limit)):
+        x = torch.empty(m, 2048, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=want):
+            loader.rms_norm(x, w, 1e-6)
+        with pytest.raises(ValueError, match=want):
+            loader.fused_add_rms_norm(x, x, w, 1e-6)
+    qkv = torch.empty(MAX_TOKENS + 1, 20 * 128, dtype=torch.bfloat16)
+    c = _qkv_inputs(1, 16, 2, "bf16", True, "bf16")
+    keys = ("q_norm_weight", "k_norm_weight", "qk_eps", "cos_sin_cache", "positions", "k_cache", "v_cache",
+            "slot_mapping", "num_q_heads", "num_kv_heads")  # fmt: skip
+    args = {k: c[k] for k in keys}
+    with pytest.raises(ValueError, match=rf"1 <= M <= {MAX_TOKENS} \(the bundle's qk_norm_rope_cache\."):
+        loader.qk_norm_rope_cache(qkv, **args)
+    with pytest.raises(ValueError, match=r"1 <= M <= 64 \(the kernels' limit\)"):
+        loader.gemv(torch.empty(65, 2048, dtype=torch.bfloat16), torch.empty(16, 2048, dtype=torch.bfloat16))
+
+
 def _pointer_of(dry, role):
     return dry.launched[-1][1][role]
 

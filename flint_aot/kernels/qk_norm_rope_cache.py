@@ -1,14 +1,17 @@
-"""Standalone per-head q/k RMSNorm + NeoX RoPE + paged KV-cache write (the unfused path,
-docs/numerics.md §3-§4)
-on a bf16 qkv [M, N] (the standalone GEMV's output).
+"""Standalone per-head q/k RMSNorm + NeoX RoPE + paged KV-cache write (the unfused path, docs/numerics.md
+§3-§4) on a bf16 qkv [M, N] (the standalone GEMV's output, or any GEMM's), for any M the loader allows (a
+decode step or a prefill chunk; docs/kernels.md §4).
 
-One CTA of 128 threads (thread = dim) per head, q heads then k heads then v heads; the M <= 64 tokens in
-chunks of 16, each chunk at once (loads of its tokens first, one reduction round, one RoPE exchange; the work
-of tokens >= M is skipped by uniform branches). Same numerics as the fused kernel's
-epilogue (device.rotate, device.store_cache) except the order of the per-head sum of squares (here: warp
-butterflies, then warps 0..3), so q/k may differ from the fused op by one bf16 ulp; v is copied unchanged
-(bit-identical), and an FP8 cache gets the same bytes from the same bf16 values. Memory safety as the fused
-kernel. PDL: releases its dependents at entry, reads the norm weights, then waits for the GEMV."""
+Grid (HEADS, ceil(M / 16)): a CTA of 128 threads takes one head (q heads, then k heads, then v heads) of 16
+tokens; each half-warp one token at a time (tokens hw and hw + 8 of the CTA's 16), lane l its dims 8 l ..
+8 l + 7 (one 16-byte load of qkv). The loads of both tokens are issued before either is used. A q/k head's
+sum of squares is the fused kernel's, bit for bit (epilogue.HeadEpilogue: each 16-dim block's butterfly,
+here three adds in the lane and lane ^ 1, then the 8 blocks in order), and so are its RMSNorm, RoPE (the
+partner dim ^ 64 in lane ^ 8) and rounding: the unfused path gives the fused op's bits. v is copied; an FP8
+cache gets e4m3(value / scale) of the same bf16 values. Tokens past M compute token M - 1's values (so no
+lane leaves a shuffle) and store nothing; a slot outside the cache is not written; a position outside the
+table gives that token's q/k NaN. PDL: releases its dependents at entry, reads the norm weights, then waits
+for the producer of qkv."""
 
 from __future__ import annotations
 
@@ -21,11 +24,12 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from flint_aot.kernels import device
 from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.diagnostics import SERVING, Diagnostics
-from loader.abi import HEAD_DIM
+from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, QKNRC_TOKENS
 
-THREADS = HEAD_DIM
-WARPS = THREADS // 32
-CHUNK = 16  # tokens per round
+THREADS = 128
+HALF = 16  # lanes of a half-warp: one (token, head) at a time
+VEC = HEAD_DIM // HALF  # dims per lane (8: one 16-byte load)
+PER_HALF = QKNRC_TOKENS // (THREADS // HALF)  # tokens per half-warp (2)
 
 
 class QkNormRopeCacheKernel(Kernel):
@@ -37,6 +41,7 @@ class QkNormRopeCacheKernel(Kernel):
         self.arch, self.diag = arch, diag
         self.rope = bool(spec["rope"])
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
+        self.vec_bytes = VEC * (1 if self.fp8 else 2)  # a lane's 8 cache elements
 
     @cute.kernel
     def kernel(
@@ -48,106 +53,143 @@ class QkNormRopeCacheKernel(Kernel):
         stride_head: Int64, qk_eps: Float32,
     ):  # fmt: skip
         a = SimpleNamespace(**{k: v for k, v in locals().items() if k != "self"})  # the parameters, by name
-        dim, _, _ = cute.arch.thread_idx()
-        head, _, _ = cute.arch.block_idx()
+        tid, _, _ = cute.arch.thread_idx()
+        head, tb, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
-        qw = cute.make_tensor(q_norm_weight, cute.make_layout(HEAD_DIM))
-        kw = cute.make_tensor(k_norm_weight, cute.make_layout(HEAD_DIM))
-        wn = Float32(cutlass.select_(head < num_q_heads, qw[dim].to(Float32), kw[dim].to(Float32)))
-        red = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * CHUNK, alignment=16),
-                               cute.make_layout(WARPS * CHUNK))  # fmt: skip
-        yb = cute.make_tensor(cute.arch.alloc_smem(Float32, CHUNK * HEAD_DIM, alignment=16),
-                              cute.make_layout(CHUNK * HEAD_DIM))  # fmt: skip
+        lane = tid % 32
+        hw, ln = tid // HALF, tid % HALF  # this half-warp, its lane: dims 8 ln .. 8 ln + 7
+        t = SimpleNamespace(head=head, hw=hw, dim0=ln * VEC, col=ln * VEC % HALF_DIM, base=lane - ln,
+                            is_q=head < num_q_heads, is_v=head >= num_q_heads + num_kv_heads)  # fmt: skip
+        wn = self.norm_weights(a, t, t.dim0)  # (model constants: read before the wait)
+        wp = self.norm_weights(a, t, t.dim0 ^ HALF_DIM)
         cute.arch.griddepcontrol_wait()
-        t = SimpleNamespace(dim=dim, head=head, warp=dim // 32)
-        ks = Float32(1.0)
-        vs = Float32(1.0)
-        if cutlass.const_expr(self.fp8):
-            ks = device.at(a.k_scale, 0)[0]
-            vs = device.at(a.v_scale, 0)[0]
-        for c0 in range(0, m, CHUNK):  # tokens c0 .. c0 + 15
-            cute.arch.sync_threads()  # (the previous chunk's readers of red and yb are done)
-            x = self.loads(a, t, c0, ks, vs)
-            if head >= num_q_heads + num_kv_heads:
-                self.v_head(a, t, x, c0)
-            else:
-                self.qk_head(a, t, x, c0, wn, red, yb)
-
-    @cute.jit
-    def loads(self, a, t, c0, ks, vs):
-        """Every token's value of this dim and slot in the chunk first (tokens >= m read token m - 1 and are
-        never stored), so the latencies overlap."""
-        n = (a.num_q_heads + 2 * a.num_kv_heads) * HEAD_DIM
-        xh = a.qkv + t.head * HEAD_DIM
-        hs = [cute.make_tensor(xh + cutlass.min(c0 + tok, a.m - 1) * n, cute.make_layout(HEAD_DIM))[t.dim]
-              for tok in range(CHUNK)]  # fmt: skip
-        sl = []
-        for tok in cutlass.range_constexpr(CHUNK):
-            slot = Int64(-1)
-            if c0 + tok < a.num_slot_mapping:
-                slot = device.at(a.slot_mapping, c0 + tok)[0]
-            sl.append(slot)
-        return SimpleNamespace(h=hs, slot=sl, k_scale=ks, v_scale=vs)
-
-    def geometry(self, a):
-        return a.num_cache_slots, a.block_size, a.stride_block, a.stride_slot, a.stride_head
-
-    @cute.jit
-    def v_head(self, a, t, x, c0):
-        """v: the bf16 values copied to the cache unchanged."""
-        for tok in cutlass.range_constexpr(CHUNK):
-            if c0 + tok < a.m:
-                device.store_cache(a.v_cache, x.slot[tok], *self.geometry(a), t.head - (a.num_q_heads +
-                                   a.num_kv_heads), t.dim, x.h[tok], self.fp8, x.v_scale)  # fmt: skip
-
-    @cute.jit
-    def qk_head(self, a, t, x, c0, wn, red, yb):
-        """q/k: per token the head's sum of squares (warp butterflies, then warps 0..3 in order), the RMSNorm,
-        NeoX RoPE with the partner dim through shared memory, one bf16 rounding; q stored or k cached."""
-        oks, cos, sins = [], [], []
-        if cutlass.const_expr(self.rope):
-            for tok in cutlass.range_constexpr(CHUNK):
-                p = device.at(a.positions, cutlass.min(c0 + tok, a.m - 1))[0]
-                ok, c, sn = device.rope_coeffs(a.cos_sin_cache, p, a.max_pos, t.dim)
-                oks.append(ok)
-                cos.append(c)
-                sins.append(sn)
-        hv = [h.to(Float32) for h in x.h]
-        for tok in cutlass.range_constexpr(CHUNK):
-            if c0 + tok < a.m:
-                ss = cute.arch.warp_reduction_sum(hv[tok] * hv[tok])
-                if t.dim % 32 == 0:
-                    red[t.warp * CHUNK + tok] = ss
-        cute.arch.sync_threads()
-        ys = []
-        for tok in cutlass.range_constexpr(CHUNK):
-            y = Float32(0.0)
-            if c0 + tok < a.m:
-                tot = red[tok]
-                for j in cutlass.range_constexpr(1, WARPS):
-                    tot = tot + red[j * CHUNK + tok]
-                inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
-                y = hv[tok] * inv * wn
-                if cutlass.const_expr(self.rope):
-                    yb[tok * HEAD_DIM + t.dim] = y
-            ys.append(y)
-        if cutlass.const_expr(self.rope):
-            cute.arch.sync_threads()
-            for tok in cutlass.range_constexpr(CHUNK):
-                y = ys[tok]
-                if c0 + tok < a.m:
-                    y = device.rotate(ys[tok], yb[tok * HEAD_DIM + (t.dim ^ (HEAD_DIM // 2))], oks[tok],
-                                      cos[tok], sins[tok], t.dim)  # fmt: skip
-                ys[tok] = y
-        nq = a.num_q_heads
-        for tok in cutlass.range_constexpr(CHUNK):
-            if c0 + tok < a.m:
-                yt = ys[tok].to(BFloat16)
-                if t.head < nq:
-                    device.put(a.q, (c0 + tok) * (nq * HEAD_DIM) + t.head * HEAD_DIM + t.dim, yt)
+        toks = [tb * QKNRC_TOKENS + j * (THREADS // HALF) + hw for j in range(PER_HALF)]
+        ins = [self.inputs(a, t, tok) for tok in toks]  # every load of both tokens first
+        if t.is_v:
+            for j in cutlass.range_constexpr(PER_HALF):
+                self.store_cache(a, t, a.v_cache, toks[j], ins[j].slot, [v for v in ins[j].h],
+                                 t.head - (a.num_q_heads + a.num_kv_heads), a.v_scale)  # fmt: skip
+        else:
+            cs = [self.rope_coeffs(a, t, x) if cutlass.const_expr(self.rope) else None for x in ins]
+            for j in cutlass.range_constexpr(PER_HALF):
+                ys = self.finish(a, t, ins[j].h, cs[j], wn, wp)
+                if t.is_q:
+                    self.store_q(a, t, toks[j], ys)
                 else:
-                    device.store_cache(a.k_cache, x.slot[tok], *self.geometry(a), t.head - nq, t.dim, yt,
-                                       self.fp8, x.k_scale)  # fmt: skip
+                    self.store_cache(a, t, a.k_cache, toks[j], ins[j].slot, ys, t.head - a.num_q_heads,
+                                     a.k_scale)  # fmt: skip
+
+    def norm_weights(self, a, t, d0):
+        """The q or k norm weight of dims d0 .. d0 + 7 (fp32)."""
+        qw = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        kw = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        qw.store(device.load_vec(a.q_norm_weight + cute.assume(d0, divby=VEC), VEC))
+        kw.store(device.load_vec(a.k_norm_weight + cute.assume(d0, divby=VEC), VEC))
+        return [Float32(cutlass.select_(t.is_q, qw[j].to(Float32), kw[j].to(Float32))) for j in range(VEC)]
+
+    @cute.jit
+    def inputs(self, a, t, tok):
+        """Token tok's 8 values of this head (tokens past m: token m - 1's), its slot (-1: none) and
+        position."""
+        tc = cutlass.min(tok, a.m - 1)
+        n = (a.num_q_heads + 2 * a.num_kv_heads) * HEAD_DIM
+        off = Int64(tc) * n + t.head * HEAD_DIM + t.dim0
+        h = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        h.store(device.load_vec(a.qkv + cute.assume(off, divby=VEC), VEC))
+        slot = Int64(-1)
+        if tok < a.num_slot_mapping:
+            slot = device.at(a.slot_mapping, tok)[0]
+        pos = Int64(0)
+        if cutlass.const_expr(self.rope):
+            pos = device.at(a.positions, tc)[0]
+        return SimpleNamespace(h=[h[j] for j in range(VEC)], slot=slot, pos=pos)
+
+    @cute.jit
+    def rope_coeffs(self, a, t, x):
+        """(ok, cos[8], sin[8]) of this lane's dims at the token's position: the table's row, or row 0 and
+        ok = False for a position outside it (device.rope_coeffs' rule)."""
+        ok = x.pos >= 0 and x.pos < a.max_pos
+        row = Int64(cutlass.select_(ok, x.pos, Int64(0))) * HEAD_DIM
+        return ok, self.table(a, row + t.col), self.table(a, row + (t.col + HALF_DIM))
+
+    def table(self, a, off):
+        """8 fp32 of the cos|sin table from element off (two 16-byte loads)."""
+        r = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        r.store(device.load_vec(a.cos_sin_cache + cute.assume(off, divby=VEC), VEC))
+        return [r[j] for j in range(VEC)]
+
+    def finish(self, a, t, h, cs, wn, wp):
+        """The head's RMSNorm (fp32; the fused kernel's sum of squares: the lane's 8 dims as a balanced tree,
+        lane ^ 1 completes the 16-dim block, the 8 blocks added in order), RoPE and one bf16 rounding."""
+        hv = [v.to(Float32) for v in h]
+        sq = [v * v for v in hv]
+        part = ((sq[0] + sq[1]) + (sq[2] + sq[3])) + ((sq[4] + sq[5]) + (sq[6] + sq[7]))
+        part = part + cute.arch.shuffle_sync_bfly(part, 1)
+        tot = cute.arch.shuffle_sync(part, t.base)
+        for r in range(1, CLUSTER):  # the 16-dim blocks in order (block r: lanes 2 r, 2 r + 1)
+            tot = tot + cute.arch.shuffle_sync(part, t.base + 2 * r)
+        inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+        ys = []
+        for j in range(VEC):
+            y = hv[j] * inv * wn[j]
+            if cutlass.const_expr(self.rope):
+                ok, c, sn = cs
+                yp = cute.arch.shuffle_sync_bfly(hv[j], HALF // 2) * inv * wp[j]  # dim ^ 64: lane ^ 8
+                y = device.rotate(y, yp, ok, c[j], sn[j], t.dim0 + j)
+            ys.append(y.to(BFloat16))
+        return ys
+
+    @cute.jit
+    def store_q(self, a, t, tok, ys):
+        """q[tok, head, dims 8 l ..]: one 16-byte store (tokens < m)."""
+        if tok < a.m:
+            off = Int64(tok) * (a.num_q_heads * HEAD_DIM) + t.head * HEAD_DIM + t.dim0
+            r = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+            for j in cutlass.range_constexpr(VEC):
+                r[j] = ys[j]
+            cute.autovec_copy(r, cute.make_tensor(a.q + cute.assume(off, divby=VEC), cute.make_layout(VEC)))
+
+    @cute.jit
+    def store_cache(self, a, t, cache, tok, slot, vals, kvh, scale_ptr):
+        """The paged cache at slot (tokens < m, 0 <= slot < num_cache_slots): the 8 bf16 values, or e4m3 of
+        value / scale (an FP8 cache), as one vector store where the cache's base and strides keep it
+        aligned, else element by element (device.store_cache: the same bytes)."""
+        if tok < a.m and slot >= 0 and slot < a.num_cache_slots:
+            off = (slot // a.block_size) * a.stride_block + (slot % a.block_size) * a.stride_slot + \
+                kvh * a.stride_head + t.dim0  # fmt: skip
+            scale = Float32(1.0)
+            if cutlass.const_expr(self.fp8):
+                scale = device.at(scale_ptr, 0)[0]
+            strides = a.stride_block | a.stride_slot | a.stride_head
+            if strides % VEC == 0 and Int64(cache.toint()) % self.vec_bytes == 0:
+                self.store_vec(cache + off, vals, scale)
+            else:
+                for j in cutlass.range_constexpr(VEC):
+                    if cutlass.const_expr(self.fp8):
+                        device.store_e4m3(cache + (off + j), vals[j].to(Float32), scale)
+                    else:
+                        device.put(cache, off + j, vals[j])
+
+    def store_vec(self, ptr, vals, scale):
+        """8 values at ptr (aligned to their size): one 16-byte store of bf16, or 8 e4m3 bytes of value /
+        scale (IEEE division, round to nearest even, saturated: device.store_e4m3's numerics) in one
+        8-byte store."""
+        r = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        for j in range(VEC):
+            r[j] = vals[j]
+        if cutlass.const_expr(self.fp8):
+            f = [r[j].to(Float32) for j in range(VEC)]
+            cute.arch.inline_ptx(
+                "{ .reg .f32 q<8>; .reg .b16 h<4>; .reg .b64 d;"
+                + "".join(f" div.rn.f32 q{j}, {{$r{j + 1}}}, {{$r9}};" for j in range(VEC))
+                + "".join(f" cvt.rn.satfinite.e4m3x2.f32 h{j}, q{2 * j + 1}, q{2 * j};" for j in range(4))
+                + " mov.b64 d, {h0, h1, h2, h3}; st.global.b64 [{$r0}], d; }",
+                read_only_args=[ptr, *f, scale],
+            )
+        else:
+            w = cute.recast_tensor(r, Int32)
+            cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                                 read_only_args=[ptr, w[0], w[1], w[2], w[3]])  # fmt: skip
 
     def ptr_types(self) -> dict:
         """Element type and assumed alignment (bytes) of the pointers that are not bf16 16-byte aligned."""
