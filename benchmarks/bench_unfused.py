@@ -113,9 +113,10 @@ def torch_qk(qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions
     y = torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], -1).bfloat16()
     kf, vf = k_cache.view(-1, nkv, D), v_cache.view(-1, nkv, D)
     k, v = y[:, nq:], h[:, nq + nkv :]
-    if k_scale is not None:
-        k = (k.float() / k_scale).clamp(-448, 448).to(k_cache.dtype)
-        v = (v.float() / v_scale).clamp(-448, 448).to(v_cache.dtype)
+    if k_scale is not None:  # (index_copy_ has no e4m3 kernel: the bytes, as uint8)
+        k = (k.float() / k_scale).clamp(-448, 448).to(k_cache.dtype).view(torch.uint8)
+        v = (v.float() / v_scale).clamp(-448, 448).to(v_cache.dtype).view(torch.uint8)
+        kf, vf = kf.view(torch.uint8), vf.view(torch.uint8)
     kf.index_copy_(0, slot_mapping, k)
     vf.index_copy_(0, slot_mapping, v)
     return y[:, :nq].reshape(m, nq * D)

@@ -34,16 +34,17 @@ KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
 NORM_MODES = ("separate", "prologue")  # qkv: input norm in its own kernel, or in the qkv kernel's prologue
 
 # Grid rules name these symbols; the loader supplies their values at launch (ROW_BLOCKS_4: ROW_BLOCKS
-# rounded up to a multiple of 4; TOKEN_BLOCKS: M over QKNRC_TOKENS, rounded up).
+# rounded up to a multiple of 4; HEAD_BLOCKS and TOKEN_BLOCKS: HEADS over QKNRC_HEADS and M over QKNRC_TOKENS,
+# rounded up).
 CALLER_GRID = ("GRID_X", "GRID_Y", "GRID_Z")  # a plugin kernel's rule: the caller gives the grid
-GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS", "ROW_BLOCKS_4", "TOKEN_BLOCKS", *CALLER_GRID)
+GRID_SYMBOLS = ("M", "ROW_BLOCKS", "HEADS", "ROW_BLOCKS_4", "HEAD_BLOCKS", "TOKEN_BLOCKS", *CALLER_GRID)
 GRID = {
     "norm": ("M", 1, 1),  # one CTA per token
     "qkv": ("ROW_BLOCKS", 1, 1),  # one CTA per 16 weight rows, clusters of CLUSTER
     "gemv": ("ROW_BLOCKS", 1, 1),
-    "qk_norm_rope_cache": ("HEADS", "TOKEN_BLOCKS", 1),  # one CTA per head and QKNRC_TOKENS tokens
+    "qk_norm_rope_cache": ("HEAD_BLOCKS", "TOKEN_BLOCKS", 1),  # QKNRC_HEADS heads of QKNRC_TOKENS tokens
 }
-QKNRC_TOKENS = 16  # tokens per CTA of qk_norm_rope_cache (TOKEN_BLOCKS: M / QKNRC_TOKENS, rounded up)
+QKNRC_HEADS, QKNRC_TOKENS = 8, 8  # qk_norm_rope_cache's CTA: 8 heads (one after another) of 8 tokens
 # the largest max_tokens: qk_norm_rope_cache's TOKEN_BLOCKS within grid.y's 65535, and the norm kernel's
 # 32-bit element offsets (row * HIDDEN) below 2**31
 TOKENS_LIMIT = min(QKNRC_TOKENS * 65535, ((1 << 31) - 1) // HIDDEN)

@@ -333,7 +333,8 @@ def _qknrc_plan(names, renames, args, nq, nkv) -> plans.Plan:
     k = _launcher(dev, "qk_norm_rope_cache", (rope, kv), lambda: abi.qk_norm_rope_cache_spec(rope, kv))
     p = plans.Plan(dev, (), out=_out(qkv, dev, m, nq * HEAD_DIM), stage=stage, names=names)
     consts.update(num_q_heads=nq, num_kv_heads=nkv)
-    symbols = {"M": m, "HEADS": nq + 2 * nkv, "TOKEN_BLOCKS": -(-m // abi.QKNRC_TOKENS)}
+    symbols = {"M": m, "HEADS": nq + 2 * nkv, "HEAD_BLOCKS": -(-(nq + 2 * nkv) // abi.QKNRC_HEADS),
+               "TOKEN_BLOCKS": -(-m // abi.QKNRC_TOKENS)}  # fmt: skip
     plans.bind(p, names + ("q", "qk_eps"), [(k, symbols, consts, renames)])
     return p
 

@@ -167,6 +167,33 @@ def assert_ulps_close(got: torch.Tensor, ref: torch.Tensor, ulps: int, what: str
                              f"{got[i].item():.6g} vs {ref[i].item():.6g})")  # fmt: skip
 
 
+def bf16_spacing(v: torch.Tensor) -> torch.Tensor:
+    """The gap from each bf16 value's magnitude to the next bf16 up (its ulp), as fp64."""
+    a = v.abs().contiguous()
+    up = (a.view(torch.int16) + 1).view(torch.bfloat16)
+    return up.double() - a.double()
+
+
+def assert_xn_close(xn: torch.Tensor, x, residual, weight, eps: float, what: str = "xn") -> None:
+    """xn against rms_norm_ref, element by element: within what one bf16 ulp of the normalised value
+    t = bf16(r * s) explains, |xn - ref| <= |w| ulp(t) + ulp(ref) (the kernel adds the 2048 squares in
+    another fp32 order than the reference, so s may differ in its last bits and t by one ulp; then
+    bf16(t w) by one or two ulps of xn), and at least 99.9 % of the elements exact."""
+    ref, r = rms_norm_ref(x, residual, weight, eps)
+    rf = r.float()
+    t = (rf * torch.rsqrt(rf.pow(2).mean(dim=-1, keepdim=True) + eps)).bfloat16()
+    d = (xn.double() - ref.double()).abs()
+    bound = weight.double().abs() * bf16_spacing(t) + torch.maximum(bf16_spacing(ref), bf16_spacing(xn))
+    bad = ~(d <= bound)  # (NaN is bad)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond one ulp of the "
+                             f"normalised value and one of the result (first at {i}: {xn[i].item():.6g} vs "
+                             f"{ref[i].item():.6g})")  # fmt: skip
+    exact = (d == 0).double().mean().item()
+    assert exact >= 0.999, f"{what}: only {100 * exact:.3f} % of the elements exact"
+
+
 def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 ulps between two bf16 tensors of finite values (sign-magnitude order)."""
 

@@ -199,3 +199,35 @@ if __name__ == "__main__":
     w = measure(n)
     print(f"{n} cases: worst element over its head's RMS: " + ", ".join(f"{k} {v:.4g}" for k, v in w.items()))
     print(f"ELEMENT_TOL = {h.ELEMENT_TOL}: {h.ELEMENT_TOL / max(w.values()):.2f}x the worst")
+
+
+def test_the_xn_bound_takes_a_one_ulp_shift_before_the_weight_and_nothing_more():
+    """assert_xn_close: the reference itself passes, and so does xn computed from t moved by one bf16 ulp
+    (what a differently ordered fp32 sum of squares can do), also where that makes xn 2 ulps off; an element
+    moved 4 ulps is caught, as is a row of elements moved by one ulp each (the exact share)."""
+    import pytest
+    import torch
+
+    from loader.reference import rms_norm_ref
+    from tests.helpers import assert_xn_close, bf16_ulps
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, 2048, generator=g) * 3).bfloat16()
+    w = (1 + 0.5 * torch.randn(2048, generator=g)).bfloat16()
+    ref, _ = rms_norm_ref(x, None, w, 1e-6)
+    assert_xn_close(ref, x, None, w, 1e-6)
+    xf = x.float()
+    t = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    shifted = t.clone()
+    shifted.view(torch.int16)[:, :2] += 1  # t one ulp up in two columns
+    xn = (shifted.float() * w.float()).bfloat16()
+    assert bf16_ulps(xn, ref).max().item() >= 1
+    assert_xn_close(xn, x, None, w, 1e-6)
+    bad = ref.clone()
+    bad.view(torch.int16)[7, 100] += 4
+    with pytest.raises(AssertionError, match="1 of"):
+        assert_xn_close(bad, x, None, w, 1e-6)
+    many = ref.clone()
+    many.view(torch.int16)[:, : 2048 // 10] += 1
+    with pytest.raises(AssertionError):
+        assert_xn_close(many, x, None, w, 1e-6)

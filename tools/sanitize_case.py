@@ -63,6 +63,6 @@ for m in unfused:  # the 8-token GEMV and the stream; past 64 tokens no GEMV (it
         xn, ro = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
         loader.rms_norm(c["x"], c["norm_weight"], c["eps"])
         qkv = loader.gemv(xn, c["weight"]) if m <= 64 else torch.randn(m, 20 * 128, device="cuda").bfloat16()
-        q = loader.qk_norm_rope_cache(qkv, **{k: c[k] for k in keys})
+        q = loader.qk_norm_rope_cache(qkv, **{k: c[k] for k in keys if k in c})
 torch.cuda.synchronize()
 print("sanitize case done")

@@ -2,16 +2,17 @@
 §3-§4) on a bf16 qkv [M, N] (the standalone GEMV's output, or any GEMM's), for any M the loader allows (a
 decode step or a prefill chunk; docs/kernels.md §4).
 
-Grid (HEADS, ceil(M / 16)): a CTA of 128 threads takes one head (q heads, then k heads, then v heads) of 16
-tokens; each half-warp one token at a time (tokens hw and hw + 8 of the CTA's 16), lane l its dims 8 l ..
-8 l + 7 (one 16-byte load of qkv). The loads of both tokens are issued before either is used. A q/k head's
-sum of squares is the fused kernel's, bit for bit (epilogue.HeadEpilogue: each 16-dim block's butterfly,
-here three adds in the lane and lane ^ 1, then the 8 blocks in order), and so are its RMSNorm, RoPE (the
-partner dim ^ 64 in lane ^ 8) and rounding: the unfused path gives the fused op's bits. v is copied; an FP8
-cache gets e4m3(value / scale) of the same bf16 values. Tokens past M compute token M - 1's values (so no
-lane leaves a shuffle) and store nothing; a slot outside the cache is not written; a position outside the
-table gives that token's q/k NaN. PDL: releases its dependents at entry, reads the norm weights, then waits
-for the producer of qkv."""
+Grid (ceil(HEADS / 8), ceil(M / 8)): a CTA of 128 threads takes 8 heads (q heads, then k heads, then v heads)
+of 8 tokens; each half-warp one token, for the 8 heads one after another, lane l the dims 8 l .. 8 l + 7
+(one 16-byte load of qkv a head): the token's slot, position and cos|sin row are read once for its 8 heads,
+and the 8 heads' loads are issued before any is used. A q/k head's sum of squares is the fused kernel's, bit
+for bit (epilogue.HeadEpilogue: each 16-dim block's butterfly, here three adds in the lane and lane ^ 1, then
+the 8 blocks in order), and so are its RMSNorm, RoPE (the partner dim ^ 64 in lane ^ 8) and rounding: the
+unfused path gives the fused op's bits. v is copied; an FP8 cache gets e4m3(value / scale) of the same bf16
+values. Tokens past M compute token M - 1's values (so no lane leaves a shuffle) and store nothing; heads past
+the last are loaded as the last one and left alone; a slot outside the cache is not written; a position
+outside the table gives that token's q/k NaN. PDL: releases its dependents at entry, reads the norm
+weights, then waits for the producer of qkv."""
 
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from flint_aot.kernels import device
 from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.diagnostics import SERVING, Diagnostics
-from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, QKNRC_TOKENS
+from loader.abi import CLUSTER, HALF_DIM, HEAD_DIM, QKNRC_HEADS, QKNRC_TOKENS
 
 THREADS = 128
-HALF = 16  # lanes of a half-warp: one (token, head) at a time
+HALF = 16  # lanes of a half-warp: one token
 VEC = HEAD_DIM // HALF  # dims per lane (8: one 16-byte load)
-PER_HALF = QKNRC_TOKENS // (THREADS // HALF)  # tokens per half-warp (2)
+assert QKNRC_TOKENS == THREADS // HALF
 
 
 class QkNormRopeCacheKernel(Kernel):
@@ -54,55 +55,62 @@ class QkNormRopeCacheKernel(Kernel):
     ):  # fmt: skip
         a = SimpleNamespace(**{k: v for k, v in locals().items() if k != "self"})  # the parameters, by name
         tid, _, _ = cute.arch.thread_idx()
-        head, tb, _ = cute.arch.block_idx()
+        hb, tb, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()
         lane = tid % 32
-        hw, ln = tid // HALF, tid % HALF  # this half-warp, its lane: dims 8 ln .. 8 ln + 7
-        t = SimpleNamespace(head=head, hw=hw, dim0=ln * VEC, col=ln * VEC % HALF_DIM, base=lane - ln,
-                            is_q=head < num_q_heads, is_v=head >= num_q_heads + num_kv_heads)  # fmt: skip
-        wn = self.norm_weights(a, t, t.dim0)  # (model constants: read before the wait)
-        wp = self.norm_weights(a, t, t.dim0 ^ HALF_DIM)
+        ln = tid % HALF  # this lane of its half-warp: dims 8 ln .. 8 ln + 7
+        t = SimpleNamespace(dim0=ln * VEC, col=ln * VEC % HALF_DIM, base=lane - ln,
+                            heads=num_q_heads + 2 * num_kv_heads)  # fmt: skip
+        w = [self.weights(a.q_norm_weight, t), self.weights(a.k_norm_weight, t)]  # (constants: before the
+        # wait)
         cute.arch.griddepcontrol_wait()
-        toks = [tb * QKNRC_TOKENS + j * (THREADS // HALF) + hw for j in range(PER_HALF)]
-        ins = [self.inputs(a, t, tok) for tok in toks]  # every load of both tokens first
-        if t.is_v:
-            for j in cutlass.range_constexpr(PER_HALF):
-                self.store_cache(a, t, a.v_cache, toks[j], ins[j].slot, [v for v in ins[j].h],
-                                 t.head - (a.num_q_heads + a.num_kv_heads), a.v_scale)  # fmt: skip
-        else:
-            cs = [self.rope_coeffs(a, t, x) if cutlass.const_expr(self.rope) else None for x in ins]
-            for j in cutlass.range_constexpr(PER_HALF):
-                ys = self.finish(a, t, ins[j].h, cs[j], wn, wp)
-                if t.is_q:
-                    self.store_q(a, t, toks[j], ys)
+        tok = tb * QKNRC_TOKENS + tid // HALF
+        x = self.inputs(a, t, tok, hb)  # the token's 8 heads, slot, position: every load first
+        cs = self.rope_coeffs(a, t, x) if cutlass.const_expr(self.rope) else None
+        for g in cutlass.range_constexpr(QKNRC_HEADS):
+            head = hb * QKNRC_HEADS + g
+            if head < t.heads:  # (uniform in the CTA, as every branch on the head)
+                if head >= a.num_q_heads + a.num_kv_heads:
+                    kvh = head - (a.num_q_heads + a.num_kv_heads)
+                    self.store_cache(a, t, a.v_cache, tok, x.slot, x.h[g], kvh, a.v_scale)
                 else:
-                    self.store_cache(a, t, a.k_cache, toks[j], ins[j].slot, ys, t.head - a.num_q_heads,
-                                     a.k_scale)  # fmt: skip
+                    is_q = head < a.num_q_heads
+                    wn = [Float32(cutlass.select_(is_q, w[0][0][j], w[1][0][j])) for j in range(VEC)]
+                    wp = [Float32(cutlass.select_(is_q, w[0][1][j], w[1][1][j])) for j in range(VEC)]
+                    ys = self.finish(a, t, x.h[g], cs, wn, wp)
+                    if is_q:
+                        self.store_q(a, t, tok, head, ys)
+                    else:
+                        self.store_cache(a, t, a.k_cache, tok, x.slot, ys, head - a.num_q_heads, a.k_scale)
 
-    def norm_weights(self, a, t, d0):
-        """The q or k norm weight of dims d0 .. d0 + 7 (fp32)."""
-        qw = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
-        kw = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
-        qw.store(device.load_vec(a.q_norm_weight + cute.assume(d0, divby=VEC), VEC))
-        kw.store(device.load_vec(a.k_norm_weight + cute.assume(d0, divby=VEC), VEC))
-        return [Float32(cutlass.select_(t.is_q, qw[j].to(Float32), kw[j].to(Float32))) for j in range(VEC)]
+    def weights(self, wptr, t):
+        """A norm weight (q's or k's) of this lane's dims and of their RoPE partners' (dim ^ 64), as fp32."""
+        out = []
+        for d0 in (t.dim0, t.dim0 ^ HALF_DIM):
+            r = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+            r.store(device.load_vec(wptr + cute.assume(d0, divby=VEC), VEC))
+            out.append([r[j].to(Float32) for j in range(VEC)])
+        return out
 
     @cute.jit
-    def inputs(self, a, t, tok):
-        """Token tok's 8 values of this head (tokens past m: token m - 1's), its slot (-1: none) and
-        position."""
+    def inputs(self, a, t, tok, hb):
+        """Token tok's 8 values of each of the CTA's 8 heads (tokens past m: token m - 1's; heads past the
+        last: the last's), its slot (-1: none) and position."""
         tc = cutlass.min(tok, a.m - 1)
-        n = (a.num_q_heads + 2 * a.num_kv_heads) * HEAD_DIM
-        off = Int64(tc) * n + t.head * HEAD_DIM + t.dim0
-        h = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
-        h.store(device.load_vec(a.qkv + cute.assume(off, divby=VEC), VEC))
+        row = Int64(tc) * (t.heads * HEAD_DIM) + t.dim0
+        hs = []
+        for g in cutlass.range_constexpr(QKNRC_HEADS):
+            head = cutlass.min(hb * QKNRC_HEADS + g, t.heads - 1)
+            h = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+            h.store(device.load_vec(a.qkv + cute.assume(row + head * HEAD_DIM, divby=VEC), VEC))
+            hs.append([h[j] for j in range(VEC)])
         slot = Int64(-1)
         if tok < a.num_slot_mapping:
             slot = device.at(a.slot_mapping, tok)[0]
         pos = Int64(0)
         if cutlass.const_expr(self.rope):
             pos = device.at(a.positions, tc)[0]
-        return SimpleNamespace(h=[h[j] for j in range(VEC)], slot=slot, pos=pos)
+        return SimpleNamespace(h=hs, slot=slot, pos=pos)
 
     @cute.jit
     def rope_coeffs(self, a, t, x):
@@ -140,10 +148,10 @@ class QkNormRopeCacheKernel(Kernel):
         return ys
 
     @cute.jit
-    def store_q(self, a, t, tok, ys):
+    def store_q(self, a, t, tok, head, ys):
         """q[tok, head, dims 8 l ..]: one 16-byte store (tokens < m)."""
         if tok < a.m:
-            off = Int64(tok) * (a.num_q_heads * HEAD_DIM) + t.head * HEAD_DIM + t.dim0
+            off = Int64(tok) * (a.num_q_heads * HEAD_DIM) + head * HEAD_DIM + t.dim0
             r = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
             for j in cutlass.range_constexpr(VEC):
                 r[j] = ys[j]
