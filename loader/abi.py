@@ -44,7 +44,7 @@ GRID = {
     "gemv": ("ROW_BLOCKS", 1, 1),
     "qk_norm_rope_cache": ("HEAD_BLOCKS", "TOKEN_BLOCKS", 1),  # QKNRC_HEADS heads of QKNRC_TOKENS tokens
 }
-QKNRC_HEADS, QKNRC_TOKENS = 8, 8  # qk_norm_rope_cache's CTA: 8 heads (one after another) of 8 tokens
+QKNRC_HEADS, QKNRC_TOKENS = 4, 8  # qk_norm_rope_cache's CTA: 4 heads (one after another) of 8 tokens
 # the largest max_tokens: qk_norm_rope_cache's TOKEN_BLOCKS within grid.y's 65535, and the norm kernel's
 # 32-bit element offsets (row * HIDDEN) below 2**31
 TOKENS_LIMIT = min(QKNRC_TOKENS * 65535, ((1 << 31) - 1) // HIDDEN)

@@ -277,10 +277,11 @@ def test_qk_norm_rope_cache_schedule(tmp_path, kv, arch):
     # other load before the wait
     assert len(loads_before) == 4 and all("LDG.E.128" in ln for ln in loads_before), loads_before
     assert any(re.search(r"\bLDG\.E\.64\b", ln) for ln in after), "positions / slots after the wait"
-    # a half-warp per token of 8 heads: qkv in 16-byte loads (8 a lane), q in 16-byte stores, each head's
-    # sum in the lane and 9 shuffles (lane ^ 1, then the 8 blocks' sums)
-    assert sum("LDG.E.128" in ln for ln in after) >= 8 and any("STG.E.128" in ln for ln in after)
-    assert sum("SHFL.IDX" in ln for ln in after) == 8 * 8
+    # a half-warp per token of QKNRC_HEADS heads: qkv in 16-byte loads (one a head), q in 16-byte stores, each
+    # head's sum in the lane and 9 shuffles (lane ^ 1, then the 8 blocks' sums)
+    heads = abi.QKNRC_HEADS
+    assert sum("LDG.E.128" in ln for ln in after) >= heads and any("STG.E.128" in ln for ln in after)
+    assert sum("SHFL.IDX" in ln for ln in after) == heads * 8
     if kv == "fp8_e4m3":  # e4m3 conversion with saturation, one byte per cache element
         assert any("F2FP" in ln and "E4M3" in ln for ln in after) and any(re.search(r"\bSTG\.E\.U8\b", ln)
                                                                          for ln in after)  # fmt: skip

@@ -2,13 +2,13 @@
 §3-§4) on a bf16 qkv [M, N] (the standalone GEMV's output, or any GEMM's), for any M the loader allows (a
 decode step or a prefill chunk; docs/kernels.md §4).
 
-Grid (ceil(HEADS / 8), ceil(M / 8)): a CTA of 128 threads takes 8 heads (q heads, then k heads, then v heads)
-of 8 tokens; each half-warp one token, for the 8 heads one after another, lane l the dims 8 l .. 8 l + 7
-(one 16-byte load of qkv a head): the token's slot, position and cos|sin row are read once for its 8 heads,
-and the 8 heads' loads are issued before any is used. A q/k head's sum of squares is the fused kernel's, bit
-for bit (epilogue.HeadEpilogue: each 16-dim block's butterfly, here three adds in the lane and lane ^ 1, then
-the 8 blocks in order), and so are its RMSNorm, RoPE (the partner dim ^ 64 in lane ^ 8) and rounding: the
-unfused path gives the fused op's bits. v is copied; an FP8 cache gets e4m3(value / scale) of the same bf16
+Grid (ceil(HEADS / 4), ceil(M / 8)): a CTA of 128 threads takes 4 heads (q heads, then k heads, then v heads)
+of 8 tokens; each half-warp one token, for the 4 heads one after another, lane l the dims 8 l .. 8 l + 7
+(one 16-byte load of qkv a head): the token's slot (and its place in the caches), position and cos|sin row
+are read once for its 4 heads, and the 4 heads' loads are issued before any is used. A q/k head's sum of
+squares is the fused kernel's, bit for bit (epilogue.HeadEpilogue: each 16-dim block's butterfly, here three
+adds in the lane and lane ^ 1, then the 8 blocks in order), and so are its RMSNorm, RoPE (the partner dim
+^ 64 in lane ^ 8) and rounding: the unfused path gives the fused op's bits. v is copied; an FP8 cache gets e4m3(value / scale) of the same bf16
 values. Tokens past M compute token M - 1's values (so no lane leaves a shuffle) and store nothing; heads past
 the last are loaded as the last one and left alone; a slot outside the cache is not written; a position
 outside the table gives that token's q/k NaN. PDL: releases its dependents at entry, reads the norm
@@ -65,14 +65,14 @@ class QkNormRopeCacheKernel(Kernel):
         # wait)
         cute.arch.griddepcontrol_wait()
         tok = tb * QKNRC_TOKENS + tid // HALF
-        x = self.inputs(a, t, tok, hb)  # the token's 8 heads, slot, position: every load first
+        x = self.inputs(a, t, tok, hb)  # the token's heads, slot, position: every load first
         cs = self.rope_coeffs(a, t, x) if cutlass.const_expr(self.rope) else None
         for g in cutlass.range_constexpr(QKNRC_HEADS):
             head = hb * QKNRC_HEADS + g
             if head < t.heads:  # (uniform in the CTA, as every branch on the head)
                 if head >= a.num_q_heads + a.num_kv_heads:
                     kvh = head - (a.num_q_heads + a.num_kv_heads)
-                    self.store_cache(a, t, a.v_cache, tok, x.slot, x.h[g], kvh, a.v_scale)
+                    self.store_cache(a, t, a.v_cache, x, x.h[g], kvh, a.v_scale)
                 else:
                     is_q = head < a.num_q_heads
                     wn = [Float32(cutlass.select_(is_q, w[0][0][j], w[1][0][j])) for j in range(VEC)]
@@ -81,7 +81,7 @@ class QkNormRopeCacheKernel(Kernel):
                     if is_q:
                         self.store_q(a, t, tok, head, ys)
                     else:
-                        self.store_cache(a, t, a.k_cache, tok, x.slot, ys, head - a.num_q_heads, a.k_scale)
+                        self.store_cache(a, t, a.k_cache, x, ys, head - a.num_q_heads, a.k_scale)
 
     def weights(self, wptr, t):
         """A norm weight (q's or k's) of this lane's dims and of their RoPE partners' (dim ^ 64), as fp32."""
@@ -94,8 +94,8 @@ class QkNormRopeCacheKernel(Kernel):
 
     @cute.jit
     def inputs(self, a, t, tok, hb):
-        """Token tok's 8 values of each of the CTA's 8 heads (tokens past m: token m - 1's; heads past the
-        last: the last's), its slot (-1: none) and position."""
+        """Token tok's 8 values of each of the CTA's heads (tokens past m: token m - 1's; heads past the
+        last: the last's), its position, and where its slot is in the caches."""
         tc = cutlass.min(tok, a.m - 1)
         row = Int64(tc) * (t.heads * HEAD_DIM) + t.dim0
         hs = []
@@ -110,7 +110,11 @@ class QkNormRopeCacheKernel(Kernel):
         pos = Int64(0)
         if cutlass.const_expr(self.rope):
             pos = device.at(a.positions, tc)[0]
-        return SimpleNamespace(h=hs, slot=slot, pos=pos)
+        # where the token's heads go in the caches (once for its heads): written only for tokens < m and
+        # slots inside the cache
+        stored = tok < a.m and slot >= 0 and slot < a.num_cache_slots
+        where = (slot // a.block_size) * a.stride_block + (slot % a.block_size) * a.stride_slot + t.dim0
+        return SimpleNamespace(h=hs, pos=pos, stored=stored, where=where)
 
     @cute.jit
     def rope_coeffs(self, a, t, x):
@@ -158,13 +162,13 @@ class QkNormRopeCacheKernel(Kernel):
             cute.autovec_copy(r, cute.make_tensor(a.q + cute.assume(off, divby=VEC), cute.make_layout(VEC)))
 
     @cute.jit
-    def store_cache(self, a, t, cache, tok, slot, vals, kvh, scale_ptr):
-        """The paged cache at slot (tokens < m, 0 <= slot < num_cache_slots): the 8 bf16 values, or e4m3 of
-        value / scale (an FP8 cache), as one vector store where the cache's base and strides keep it
-        aligned, else element by element (device.store_cache: the same bytes)."""
-        if tok < a.m and slot >= 0 and slot < a.num_cache_slots:
-            off = (slot // a.block_size) * a.stride_block + (slot % a.block_size) * a.stride_slot + \
-                kvh * a.stride_head + t.dim0  # fmt: skip
+    def store_cache(self, a, t, cache, x, vals, kvh, scale_ptr):
+        """The paged cache at the token's slot (x.stored: tokens < m, 0 <= slot < num_cache_slots), kv head
+        kvh: the 8 bf16 values, or e4m3 of value / scale (an FP8 cache), as one vector store where the
+        cache's base and strides keep it aligned, else element by element (device.store_cache: the same
+        bytes)."""
+        if x.stored:
+            off = x.where + kvh * a.stride_head
             scale = Float32(1.0)
             if cutlass.const_expr(self.fp8):
                 scale = device.at(scale_ptr, 0)[0]
