@@ -8,11 +8,11 @@ of 8 tokens; each half-warp one token, for the 4 heads one after another, lane l
 are read once for its 4 heads, and the 4 heads' loads are issued before any is used. A q/k head's sum of
 squares is the fused kernel's, bit for bit (epilogue.HeadEpilogue: each 16-dim block's butterfly, here three
 adds in the lane and lane ^ 1, then the 8 blocks in order), and so are its RMSNorm, RoPE (the partner dim
-^ 64 in lane ^ 8) and rounding: the unfused path gives the fused op's bits. v is copied; an FP8 cache gets e4m3(value / scale) of the same bf16
-values. Tokens past M compute token M - 1's values (so no lane leaves a shuffle) and store nothing; heads past
-the last are loaded as the last one and left alone; a slot outside the cache is not written; a position
-outside the table gives that token's q/k NaN. PDL: releases its dependents at entry, reads the norm
-weights, then waits for the producer of qkv."""
+^ 64 in lane ^ 8) and rounding: the unfused path gives the fused op's bits. v is copied; an FP8 cache gets
+e4m3(value / scale) of the same bf16 values. Tokens past M compute token M - 1's values (so no lane leaves
+a shuffle) and store nothing; heads past the last are loaded as the last one and left alone; a slot outside
+the cache is not written; a position outside the table gives that token's q/k NaN. PDL: releases its
+dependents at entry, reads the norm weights, then waits for the producer of qkv."""
 
 from __future__ import annotations
 
