@@ -20,7 +20,7 @@ TOKENS = [torch.Size([m]) for m in range(MAX_M + 1)]
 
 
 def rows(m: int) -> torch.Size:
-    """[m, HIDDEN] (kept for the decode sizes)."""
+    """torch.Size([m, HIDDEN]): the decode sizes (m <= MAX_M) from ROWS, built once; prefill sizes anew."""
     return ROWS[m] if m <= MAX_M else torch.Size([m, HIDDEN])
 
 

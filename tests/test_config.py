@@ -96,6 +96,7 @@ def test_diagnostics_stay_on_the_build_side():
     for bad in (-1, True, 1.5, "10", 1 << 40):
         _err({**base, "diagnostics": {"norm_spin_cycles": bad}}, "diagnostics.norm_spin_cycles", "0..")
     _err({**base, "diagnostics": {"timeline": "yes"}}, "diagnostics.timeline", "true or false")
+    _err({**base, "diagnostics": {"timeline": 1}}, "diagnostics.timeline", "true or false")
     _err({**base, "diagnostics": {"cluster_policy": "balanced"}}, "diagnostics.cluster_policy", "spread")
     _err({**base, "diagnostics": {"spin": 5}}, "diagnostics.spin", "known keys")
     old = {"archs": ["sm_90a"], "norm": {"residual": [True], "debug_spin_cycles": 5}}
