@@ -23,8 +23,9 @@ MANIFEST_NAME = "manifest.json"
 # a norm kernel parameter), which that qkv kernel no longer makes itself; 5: the 32-token NVFP4 qkv kernel of
 # the two-kernel design reads xn as wgmma tiles (loader.abi.WG_STRIDES, xn_pairs 2); 6: so does the 64-token
 # one; 7: and so do the BF16 kernels of 32 and 64 tokens (xn_pairs 3); 8: entries without dyn_smem_per_m
-# (always 0), and a diagnostic build says so in its config's `diagnostics` section, not in kernel specs
-SCHEMA_VERSION = 8
+# (always 0), and a diagnostic build says so in its config's `diagnostics` section, not in kernel specs; 9:
+# every norm, qkv and gemv spec names its hidden size, every qkv and qk_norm_rope_cache spec its q/k norm
+SCHEMA_VERSION = 9
 # a cluster kernel's scheduling policy (an optional entry field; bundles without it get the driver's default)
 CLUSTER_POLICIES = ("", "spread", "load_balancing")
 

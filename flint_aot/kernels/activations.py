@@ -19,12 +19,17 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from flint_aot.kernels import device
 from flint_aot.kernels.device import NORM_VEC
-from flint_aot.kernels.mma import THREADS, WARPS, K
-from flint_aot.kernels.stream_gemv import GROUP, QUARTER
-from loader.abi import CLUSTER
+from flint_aot.kernels.mma import THREADS, WARPS
+from flint_aot.kernels.stream_gemv import GROUP
+from loader.abi import CLUSTER, PROLOGUE_HIDDEN
 
+# The prologue design splits each row into the norm kernel's virtual warps of 256 elements: at hidden 2048,
+# one per CTA of the 8-token kernel's cluster and two per K quarter of the token stream's
+K = PROLOGUE_HIDDEN[0]
 K_PART = K // CLUSTER  # the 8-token prologue design: the slice of every token each CTA normalises
+QUARTER = K // WARPS
 QUARTERS = WARPS  # the token stream: K quarters per row block, CTAs per quad (a quad: 64 rows)
+assert PROLOGUE_HIDDEN == (K,) and K_PART == 32 * NORM_VEC, "one virtual warp of the norm per CTA"
 
 
 @cute.jit

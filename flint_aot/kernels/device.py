@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 
-from loader.abi import HALF_DIM, HEAD_DIM, HIDDEN
+from loader.abi import HALF_DIM, HEAD_DIM
 
 
 def lanes(tid):
@@ -60,12 +60,11 @@ def spin_cycles(n: cutlass.Constexpr):
 
 # ------------------------------------------------------------------ input RMSNorm (docs/numerics.md §1)
 # The norm kernel and the qkv kernel's prologue both use these three, on chunks of 8 consecutive elements
-# of a row: chunk i of the row is owned by "virtual thread" i of a 256-thread CTA (warp i // 32), the
-# partial sums are reduced per virtual warp with a butterfly and the 8 warp sums added in warp order.
-# Same order, same bits.
+# of a row: chunk i of the row is owned by "virtual thread" i of a CTA of K / 8 threads (warp i // 32: 256
+# elements a virtual warp), the partial sums are reduced per virtual warp with a butterfly and the K / 256
+# warp sums (8 at hidden 2048) added in warp order. Same order, same bits.
 NORM_VEC = 8
-NORM_CHUNKS = HIDDEN // NORM_VEC  # 256 virtual threads
-NORM_WARPS = NORM_CHUNKS // 32
+NORM_WARP_K = 32 * NORM_VEC  # elements of a row per virtual warp
 
 
 def norm_residual(x, res):
@@ -77,11 +76,12 @@ def norm_residual(x, res):
 
 
 def norm_scale(warp_sums, eps):
-    """rsqrt(mean(r²) + eps) from the 8 virtual warps' sums (a sequence, added in warp order)."""
+    """rsqrt(mean(r²) + eps) from the virtual warps' sums of a row (a sequence, added in warp order; its
+    length gives the row's length)."""
     total = warp_sums[0]
-    for i in range(1, NORM_WARPS):
+    for i in range(1, len(warp_sums)):
         total = total + warp_sums[i]
-    return cute.math.rsqrt(total * Float32(1.0 / HIDDEN) + eps)
+    return cute.math.rsqrt(total * Float32(1.0 / (len(warp_sums) * NORM_WARP_K)) + eps)
 
 
 # the NVFP4 MMA's bf16x2 pairs (k0 + j, k0 + j + 4), j = 0..3: element e of the reordered 8 is k0 + PAIRS[e]

@@ -5,8 +5,10 @@ RMSNorm, NeoX RoPE, the q store and the paged KV-cache writes (BF16 or FP8), for
   the RoPE partner rank ^ 4), then `finish` once its mbarrier has every byte;
 * the token stream's warp holds a token's whole head (lane l: dims 4 l .. 4 l + 3) and exchanges nothing:
   `finish_token`, whose sum of squares is the 8-token kernel's, bit for bit.
-Memory safety (docs/api.md §6): a position outside [0, max_pos) reads row 0 of the table and turns that
-token's q/k head into NaN; a slot outside the cache is not written (like a negative slot).
+Without q/k norm (Llama's numerics) q and k go to RoPE as they are: the 8-token kernel then exchanges only
+the RoPE partner's values, or nothing. Memory safety (docs/api.md §6): a position outside [0, max_pos)
+reads row 0 of the table and turns that token's q/k head into NaN; a slot outside the cache is not written
+(like a negative slot).
 """
 
 from __future__ import annotations
@@ -24,16 +26,21 @@ GROUP = TOKEN_GROUP
 
 
 class HeadEpilogue:
-    """The epilogue of one specialization: q/k/v head counts, RoPE on/off, the cache's dtype, and the token
+    """The epilogue of one specialization: q/k/v head counts, RoPE on/off, the cache's dtype, the token
     tile (the layout of the 8-token kernel's per-call inputs; tiles > 8 compute cache offsets with a 32-bit
-    division: `narrow`, device.store_cache)."""
+    division: `narrow`, device.store_cache) and q/k norm on/off."""
 
-    def __init__(self, nq: int, nkv: int, rope: bool, fp8: bool, tile: int):
+    def __init__(self, nq: int, nkv: int, rope: bool, fp8: bool, tile: int, qk_norm: bool = True):
         self.nq, self.nkv, self.rope, self.fp8, self.tile = nq, nkv, rope, fp8, tile
         self.narrow = tile > GROUP
+        self.qk_norm = qk_norm
+        self.exchange = qk_norm or rope  # (the 8-token kernel: what a q/k head's CTAs send each other)
 
     def norm_weights(self, a, t, dims):
-        """The q/k norm weights of the given dims and of their rotation partners (model constants): lists."""
+        """The q/k norm weights of the given dims and of their rotation partners (model constants): lists
+        (without q/k norm: ones, nothing read)."""
+        if not self.qk_norm:
+            return [Float32(1.0)] * len(dims), [Float32(1.0)] * len(dims)
         qw = cute.make_tensor(a.q_norm_weight, cute.make_layout(HEAD_DIM))
         kw = cute.make_tensor(a.k_norm_weight, cute.make_layout(HEAD_DIM))
         is_q = t.head < self.nq
@@ -95,11 +102,13 @@ class HeadEpilogue:
             self.store_v(a, t, GROUP * i + t.tk, slot, hv, scale, t.dim)
         else:
             ssq, pv, mbar = buf
-            part = hv * hv
-            for o in (1, 2, 4, 8):
-                part = part + cute.arch.shuffle_sync_bfly(part, o)
-            if t.r < CLUSTER:  # lane r sends the partial to rank r
-                cute.arch.store_async_dsmem(ssq + (t.rank * GROUP + t.tk), device.f32_bits(part), mbar, t.r)
+            if cutlass.const_expr(self.qk_norm):
+                part = hv * hv
+                for o in (1, 2, 4, 8):
+                    part = part + cute.arch.shuffle_sync_bfly(part, o)
+                if t.r < CLUSTER:  # lane r sends the partial to rank r
+                    cute.arch.store_async_dsmem(ssq + (t.rank * GROUP + t.tk), device.f32_bits(part), mbar,
+                                                t.r)  # fmt: skip
             if cutlass.const_expr(self.rope):
                 self.send_partner(t, pv, mbar, hv)
 
@@ -117,7 +126,8 @@ class HeadEpilogue:
         """q/k head, once the group's mbarrier has every byte: finish_value, stored as q or into the k
         cache."""
         if not t.is_v:
-            cute.arch.mbarrier_wait(buf[2], 0)
+            if cutlass.const_expr(self.exchange):
+                cute.arch.mbarrier_wait(buf[2], 0)
             t.tr.mark(trace.EXCHANGED)
             yb = self.finish_value(a, t, buf, hv, e[1:], wn, wp)
             self.store_qk(a, t, GROUP * i + t.tk, e[0], yb, scale, t.dim)
@@ -127,14 +137,18 @@ class HeadEpilogue:
         same in all 8 CTAs), NeoX RoPE (rope: ok, cos, sin) and one bf16 rounding of its own dim."""
         ssq, pv, _ = buf
         ok, c, sn = rope
-        st = cute.make_tensor(ssq, cute.make_layout(CLUSTER * GROUP))
-        tot = st[t.tk]
-        for j in range(1, CLUSTER):  # rank order
-            tot = tot + st[j * GROUP + t.tk]
-        inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
-        y = hv * inv * wn
+        y, inv = hv, None
+        if cutlass.const_expr(self.qk_norm):
+            st = cute.make_tensor(ssq, cute.make_layout(CLUSTER * GROUP))
+            tot = st[t.tk]
+            for j in range(1, CLUSTER):  # rank order
+                tot = tot + st[j * GROUP + t.tk]
+            inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+            y = hv * inv * wn
         if cutlass.const_expr(self.rope):
-            yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[self.partner_word(t)] * inv * wp
+            yp = cute.make_tensor(pv, cute.make_layout(R * GROUP))[self.partner_word(t)]
+            if cutlass.const_expr(self.qk_norm):
+                yp = yp * inv * wp
             y = device.rotate(y, yp, ok, c, sn, t.dim)
         return y.to(BFloat16)
 
@@ -143,20 +157,24 @@ class HeadEpilogue:
         """A token's 128 dims in one warp (hv: dims 4 lane ..): finish_value's RMSNorm and RoPE, bit for bit:
         its 16-lane butterfly over each 16-dim block (here two adds in the lane, then lanes ^ 1 and ^ 2) and
         the 8 blocks' sums in rank order; the RoPE partner (dim ^ 64) is in lane ^ 16."""
-        sq = [h * h for h in hv]
-        part = (sq[0] + sq[1]) + (sq[2] + sq[3])  # the butterfly's first two steps, inside the lane
-        for o in (1, 2):
-            part = part + cute.arch.shuffle_sync_bfly(part, o)
-        tot = cute.arch.shuffle_sync(part, 0)
-        for j in range(1, CLUSTER):  # rank order
-            tot = tot + cute.arch.shuffle_sync(part, 4 * j)
-        inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+        inv = None
+        if cutlass.const_expr(self.qk_norm):
+            sq = [h * h for h in hv]
+            part = (sq[0] + sq[1]) + (sq[2] + sq[3])  # the butterfly's first two steps, inside the lane
+            for o in (1, 2):
+                part = part + cute.arch.shuffle_sync_bfly(part, o)
+            tot = cute.arch.shuffle_sync(part, 0)
+            for j in range(1, CLUSTER):  # rank order
+                tot = tot + cute.arch.shuffle_sync(part, 4 * j)
+            inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
         ok, c, sn = rope
         ys = []
         for j in range(4):
-            y = hv[j] * inv * wn[j]
+            y = hv[j] * inv * wn[j] if cutlass.const_expr(self.qk_norm) else hv[j]
             if cutlass.const_expr(self.rope):
-                yp = cute.arch.shuffle_sync_bfly(hv[j], 16) * inv * wp[j]
+                yp = cute.arch.shuffle_sync_bfly(hv[j], 16)
+                if cutlass.const_expr(self.qk_norm):
+                    yp = yp * inv * wp[j]
                 y = device.rotate(y, yp, ok, c[j], sn[j], dims[j])
             ys.append(y.to(BFloat16))
         return ys

@@ -1,13 +1,13 @@
 """NVFP4 weights in the GEMV kernels: e2m1 codes and e4m3 block scales read in place, decoded in software to
 bf16 (sm_90a has no FP4 conversion; docs/nvfp4.md §7), fed to the same MMAs as BF16 weights (mma.py).
 
-Weight rows are 1024 bytes of e2m1 codes (low nibble = even k) plus 128 e4m3 block scales (one per 16 k) in
-the 128x4-swizzled layout. Same CTA shape, MMA and summation order as BF16, with another k order inside a
-warp's K quarter:
-* warp w owns k in [512 w, 512 w + 512) as 16 chunks of 32 k (16 code bytes); lane (g, t) owns chunks
-  4 c + t, c = 0..3, of rows g and g + 8 (one 16-byte load each: a warp instruction reads 8 rows x 64
-  contiguous bytes), their 2 block scales (half of a 4-byte swizzle group) and x of token g at those k;
-* code word i = 4 c + u (k0 = 512 w + 128 c + 32 t + 8 u, .. k0 + 7) decodes to 4 bf16x2 registers
+Weight rows are K / 2 bytes of e2m1 codes (low nibble = even k) plus K / 16 e4m3 block scales (one per 16 k)
+in the 128x4-swizzled layout (1024 and 128 at K = 2048). Same CTA shape, MMA and summation order as BF16,
+with another k order inside a warp's K quarter (Q = K / 4 k):
+* warp w owns k in [Q w, Q w + Q) as Q / 32 chunks of 32 k (16 code bytes); lane (g, t) owns chunks
+  4 c + t, c = 0 .. Q / 128 - 1, of rows g and g + 8 (one 16-byte load each: a warp instruction reads 8 rows
+  x 64 contiguous bytes), their 2 block scales (half of a 4-byte swizzle group) and x of token g at those k;
+* code word i = 4 c + u (k0 = Q w + 128 c + 32 t + 8 u, .. k0 + 7) decodes to 4 bf16x2 registers
   P_j = (k0 + j, k0 + j + 4), j = 0..3, and x is permuted to the same pairs (fp4_x_pairs, or, in the fused
   kernel's two-kernel design, by the norm kernel where it writes xn: loader.abi.xn_pairs); word i feeds
   MMA 2 i (P_0, P_1) and 2 i + 1 (P_2, P_3): a K permutation shared by A and B, so the dot product is
@@ -30,15 +30,18 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flint_aot.kernels.device import lanes
-from flint_aot.kernels.mma import WARPS, K, SharedX, as_f32, ld_weight, mma_bf16, runtime_zero, x_loads
-from loader.abi import NVFP4_ROW_BYTES, SCALE_COLS
+from flint_aot.kernels.mma import WARPS, SharedX, as_f32, ld_weight, mma_bf16, runtime_zero, x_loads
+from loader.abi import nvfp4_row_bytes, scale_cols
 
-KB = NVFP4_ROW_BYTES  # code bytes per row
-FP4_CHUNKS = KB // 16 // WARPS // 4  # 16-byte code chunks per thread per row (4)
-FP4_WORDS = FP4_CHUNKS * 4  # 32-bit code words per thread per row (16)
-# code words per row decoded before griddepcontrol.wait (Fp4Weights.issue's `pre`): the fused qkv kernel 12
-# of 16 (fewer leave more decode after the wait; all 16 gain less), the standalone GEMV 8 (12 takes it past
-# the register budget of 3 CTAs per SM)
+
+def fp4_chunks(k: int) -> int:
+    """16-byte code chunks per thread per row at hidden size k (4 at 2048); 4 code words each."""
+    return nvfp4_row_bytes(k) // 16 // WARPS // 4
+
+
+# code words per row decoded before griddepcontrol.wait (Fp4Weights.issue's `pre`; all of them where a row has
+# fewer): the fused qkv kernel 12 of 16 (fewer leave more decode after the wait; all 16 gain less), the
+# standalone GEMV 8 (12 takes it past the register budget of 3 CTAs per SM)
 FP4_PRE_QKV = 12
 FP4_PRE_GEMV = 8
 
@@ -49,26 +52,28 @@ def ld_weight_b32(ptr):
     )
 
 
-def issue_fp4_loads(wq, sf, row0, tid, kq=None):
-    """This thread's code and scale loads, rows row0 + g and + 8, K quarter kq (default: the warp's):
-    (codes[2][16 words], scales[2][4 words]); codes[row][4 c + u] is word u ^ (t & 2) of chunk c (the step
-    order); scales[row][c] is the swizzle group holding chunk c's two block scales (in half t % 2)."""
+def issue_fp4_loads(wq, sf, row0, tid, k, kq=None):
+    """This thread's code and scale loads, rows row0 + g and + 8 of hidden size k, K quarter kq (default: the
+    warp's): (codes[2][steps(k) words], scales[2][fp4_chunks(k) words]); codes[row][4 c + u] is word
+    u ^ (t & 2) of chunk c (the step order); scales[row][c] is the swizzle group holding chunk c's two block
+    scales (in half t % 2)."""
     warp, _, g, t = lanes(tid)
     kq = warp if kq is None else kq
+    kb, chunks = nvfp4_row_bytes(k), fp4_chunks(k)
     codes, scales = [], []
     swap = (t & 2) != 0
     for r in (row0 + g, row0 + g + 8):
-        a = wq + (r * KB + kq * (KB // WARPS) + t * 16)
+        a = wq + (r * kb + kq * (kb // WARPS) + t * 16)
         words = []
-        for c in range(FP4_CHUNKS):
+        for c in range(chunks):
             v = ld_weight(a + 64 * c)
             words.extend(cutlass.select_(swap, v[u ^ 2], v[u]) for u in range(4))  # step order u ^ (t & 2)
         codes.append(words)
-        # logical scale column of chunk c: 32 w + 8 c + 2 t (+1) -> group 8 w + 2 c + t // 2
+        # logical scale column of chunk c: (Q / 16) w + 8 c + 2 t (+1) -> group (Q / 64) w + 2 c + t // 2
         # (the offsets of docs/nvfp4.md §3)
-        grp = (r // 128) * (SCALE_COLS // 4) + kq * 8 + t // 2
+        grp = (r // 128) * (scale_cols(k) // 4) + kq * (scale_cols(k) // 4 // WARPS) + t // 2
         s = sf + (grp * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4)
-        scales.append([ld_weight_b32(s + 1024 * c) for c in range(FP4_CHUNKS)])
+        scales.append([ld_weight_b32(s + 1024 * c) for c in range(chunks)])
     return codes, scales
 
 
@@ -145,13 +150,16 @@ def fp4_x_k(t, i, kx=0):
 
 
 def fp4_mma_partials(D, x, tok, tid, m, kx=None, paired=False):
-    """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all 16 words), x
-    and tok as mma_partials. Global x loads are fenced: every one is issued right after the wait, before the
-    first MMA. paired: x holds each 8 k already in the MMA's pair order (fp4_x_pairs' output; the norm kernel
-    writes it so for the two-kernel design, loader.abi.xn_pairs), so its loads feed the MMAs as they are."""
+    """This warp's partial sums (layout as mma_partials) from decoded weights D[row][word] (all the quarter's
+    words: their count gives the hidden size), x and tok as mma_partials. Global x loads are fenced: every
+    one is issued right after the wait, before the first MMA. paired: x holds each 8 k already in the MMA's
+    pair order (fp4_x_pairs' output; the norm kernel writes it so for the two-kernel design,
+    loader.abi.xn_pairs), so its loads feed the MMAs as they are."""
     warp, _, g, t = lanes(tid)
-    kx = warp * (K // WARPS) if kx is None else kx
-    X = x_loads(x, tok, [fp4_x_k(t, i, kx) for i in range(FP4_WORDS)])
+    words = len(D[0])
+    k = words * 32 * WARPS
+    kx = warp * (k // WARPS) if kx is None else kx
+    X = x_loads(x, tok, [fp4_x_k(t, i, kx) for i in range(words)], k)
     if isinstance(x, SharedX):
         z = Float32(0.0)  # shared-memory loads: short latency, no fence (it would hold all 64 registers)
     else:
@@ -160,7 +168,7 @@ def fp4_mma_partials(D, x, tok, tid, m, kx=None, paired=False):
             flat.extend(v)
         z = as_f32(runtime_zero(flat, m))  # all global x loads issued at once, before the first MMA
     acc = [[z, z, z, z], [z, z, z, z]]
-    for i in range(FP4_WORDS):
+    for i in range(words):
         xp = X[i] if paired else fp4_x_pairs(X[i])
         a, b = D[0][i], D[1][i]
         for h in range(2):

@@ -1,4 +1,4 @@
-"""Standalone GEMV (the unfused path, docs/numerics.md §2): y[M, N] = bf16(x[M, 2048] · Wᵀ), BF16 or NVFP4 W.
+"""Standalone GEMV (the unfused path, docs/numerics.md §2): y[M, N] = bf16(x[M, K] · Wᵀ), BF16 or NVFP4 W.
 
 Tile 8 (M <= 8): one CTA of 128 threads per 16 rows, no cluster (weights.CtaGemv: warp w takes K quarter w).
 Tiles 16, 32, 64: the token stream (stream_gemv.StreamGemv, run by the MmaRing schedule): clusters of 4 CTAs,
@@ -6,7 +6,7 @@ one per K quarter, each CTA 64 rows of its quarter, x arriving 8 tokens at a tim
 blocks up to a multiple of 4 (a block past N reads the last block's rows and is never stored). Either way
 the very code of the fused kernel, so y is bit-identical to the fused kernel's qkv values. PDL: releases its
 dependents at entry, streams its weights, then waits for the producer of x. Row offsets are 32-bit:
-N <= loader.abi.MAX_GEMV_ROWS (the loader checks it)."""
+N <= loader.abi.max_gemv_rows(K) (the loader checks it)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from flint_aot.kernels.mma import ROWS, THREADS, WARPS
 from flint_aot.kernels.schedules import GroupRun, MmaRing
 from flint_aot.kernels.stream_gemv import GROUP, StreamConfig, StreamGemv
 from flint_aot.kernels.weights import CtaGemv
-from loader.abi import GRID_STREAM_GEMV, STREAM_CLUSTER_GEMV
+from loader.abi import GRID_STREAM_GEMV, STREAM_CLUSTER_GEMV, hidden_refusal, spec_hidden
 
 
 class GemvKernel(Kernel):
-    """The standalone GEMV of one specialization: weight format and token tile, set once."""
+    """The standalone GEMV of one specialization: weight format, token tile and hidden size, set once."""
 
     kind, block = "gemv", (THREADS, 1, 1)
 
@@ -33,10 +33,12 @@ class GemvKernel(Kernel):
         self.arch, self.diag = arch, diag
         self.fp4 = spec["weight_format"] == "nvfp4"
         self.tile = spec.get("max_m", 8)
+        self.k = spec_hidden(spec)
+        assert hidden_refusal("gemv", self.k) is None, hidden_refusal("gemv", self.k)
         if self.tile == 8:
-            self.gemv = CtaGemv(self.fp4, FP4_PRE_GEMV)
+            self.gemv = CtaGemv(self.fp4, FP4_PRE_GEMV, self.k)
         else:  # (x as plain rows, row blocks as owners, each stage refilled after a CTA barrier)
-            self.stream = StreamGemv(StreamConfig(self.fp4, self.tile, FP4_PRE_QKV))
+            self.stream = StreamGemv(StreamConfig(self.fp4, self.tile, FP4_PRE_QKV, self.k))
             self.schedule = MmaRing()
             self.cluster, self.grid = (STREAM_CLUSTER_GEMV, 1, 1), GRID_STREAM_GEMV
             self.dyn_smem = self.stream.dyn_smem

@@ -3,12 +3,13 @@
 of 8), the loads that feed them, where x comes from, and the one summation order (docs/numerics.md §2).
 
 K split and summation order (fixed, so every kernel built on it rounds the same sums, whatever M and tile):
-* one warp's unit is 16 rows x one K quarter [512 q, 512 q + 512), 16 blocks of 32 k; in block b, lane
-  (g, t) = (lane / 4, lane % 4) holds the 8 consecutive k in [512 q + 32 b + 8 t, +8) of rows g and g + 8
-  (one 16-byte load each) and of token g (x). Those 8 k feed two mma.sync (pairs 0,1 then pairs 2,3: a K
-  permutation, the same for A and B, so the dot product is unchanged);
-* the unit accumulates its 32 mma in one chain per MMA of the block (acc[0], acc[1]) in block order and adds
-  the two chains; the four quarters' partial sums are added in quarter order 0, 1, 2, 3 (sum_quarters).
+* one warp's unit is 16 rows x one K quarter [Q q, Q q + Q), Q = K / 4 (512 at hidden 2048), Q / 32 blocks
+  of 32 k; in block b, lane (g, t) = (lane / 4, lane % 4) holds the 8 consecutive k in [Q q + 32 b + 8 t,
+  +8) of rows g and g + 8 (one 16-byte load each) and of token g (x). Those 8 k feed two mma.sync (pairs
+  0,1 then pairs 2,3: a K permutation, the same for A and B, so the dot product is unchanged);
+* the unit accumulates its Q / 16 mma in two chains, one per MMA of the block (acc[0], acc[1]), in block
+  order and adds the two chains; the four quarters' partial sums are added in quarter order 0, 1, 2, 3
+  (sum_quarters).
 Each token is an MMA column of its own, so its sum is the same in any tile and either CTA shape. NVFP4 weights
 (fp4.py) keep the unit and the order with another k order inside it.
 """
@@ -20,13 +21,17 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 
 from flint_aot.kernels.device import lanes
-from loader.abi import HIDDEN, ROWS_PER_CTA, tile8_row
+from loader.abi import ROWS_PER_CTA, tile8_row
 
-K = HIDDEN
 ROWS = ROWS_PER_CTA
 THREADS = 128
 WARPS = THREADS // 32
-NB = K // 32 // WARPS  # 32-wide k blocks per warp
+
+
+def steps(k: int) -> int:
+    """32-wide k blocks of one warp's K quarter at hidden size k (16 at 2048): BF16's loads of a row, NVFP4's
+    code words of a row, the MMA steps of either."""
+    return k // 32 // WARPS
 
 
 def ld_weight(ptr):
@@ -66,13 +71,14 @@ def as_i32(f):
     return Int32(llvm.bitcast(Int32.mlir_type, f.ir_value()))
 
 
-def issue_weight_loads(w, row0, tid, kq=None):
-    """Issue all of this thread's weight loads (32 x 16 B) of rows row0 + g and + 8 in K quarter kq (default:
-    the warp's); returns [(lo, hi)] per k block."""
+def issue_weight_loads(w, row0, tid, k, kq=None):
+    """Issue all of this thread's weight loads (2 x steps(k) x 16 B) of rows row0 + g and + 8 of hidden size k
+    in K quarter kq (default: the warp's); returns [(lo, hi)] per k block."""
     warp, _, g, t = lanes(tid)
     kq = warp if kq is None else kq
-    wa = w + ((row0 + g) * K + kq * (NB * 32) + t * 8)
-    return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * K + b * 32))) for b in range(NB)]
+    nb = steps(k)
+    wa = w + ((row0 + g) * k + kq * (nb * 32) + t * 8)
+    return [(ld_weight(wa + b * 32), ld_weight(wa + (8 * k + b * 32))) for b in range(nb)]
 
 
 def ld_shared(ptr):
@@ -88,10 +94,10 @@ def ld_shared_f32x4(ptr):
     return [as_f32(v) for v in ld_shared(ptr)]
 
 
-def smem_row(fp4: bool) -> int:
+def smem_row(fp4: bool, k: int) -> int:
     """Row stride (elements) of x of all K staged in shared memory (SharedX: the 8-token qkv kernel), padded
     against bank conflicts (loader.abi.tile8_row)."""
-    return tile8_row("nvfp4" if fp4 else "bf16")
+    return tile8_row("nvfp4" if fp4 else "bf16", k)
 
 
 class SharedX:
@@ -136,16 +142,16 @@ def sw128_chunk(c, row):
     return (c // 8) * 1024 + row * 128 + ((c % 8) ^ row) * 16
 
 
-def x_loads(x, tok, ks):
-    """16-byte x fragments at token tok and element offsets ks: global loads, or shared once staged (wgmma
-    tiles: indexed by MMA step, the tiles holding each step's k in fp4_x_k's order)."""
+def x_loads(x, tok, ks, k):
+    """16-byte x fragments at token tok and element offsets ks: global loads (rows of k elements), or shared
+    once staged (wgmma tiles: indexed by MMA step, the tiles holding each step's k in fp4_x_k's order)."""
     if isinstance(x, TiledX):
         return x
     if isinstance(x, SharedX):
         x.ready()
-        return [x.load(tok, k) for k in ks]
-    xa = x + tok * K
-    return [ld_act(xa + k) for k in ks]
+        return [x.load(tok, c) for c in ks]
+    xa = x + tok * k
+    return [ld_act(xa + c) for c in ks]
 
 
 def runtime_zero(regs, m):
@@ -166,15 +172,17 @@ def bf16_x_k(t, b, kx=0):
 
 def mma_partials(A, x, tok, tid, zero, kx=None):
     """This warp's partial sums over its K quarter for 8 tokens: [d0, d1, d2, d3] with d0/d1 = (row g, token
-    columns 2t, 2t + 1), d2/d3 = (row g + 8, the same columns). A from issue_weight_loads; x bf16 rows of K
-    (global) or a SharedX; tok: the row of x this lane's column g reads (columns past the last token repeat
-    it and are never stored); kx: x's element offset of the quarter (default: the warp's, warp * 512)."""
+    columns 2t, 2t + 1), d2/d3 = (row g + 8, the same columns). A from issue_weight_loads (its length, the
+    quarter's blocks, gives the hidden size k); x bf16 rows of k (global) or a SharedX; tok: the row of x this
+    lane's column g reads (columns past the last token repeat it and are never stored); kx: x's element
+    offset of the quarter (default: the warp's, warp * k / 4)."""
     warp, _, g, t = lanes(tid)
-    kx = warp * (NB * 32) if kx is None else kx
-    X = x_loads(x, tok, [bf16_x_k(t, b, kx) for b in range(NB)])
+    nb = len(A)
+    kx = warp * (nb * 32) if kx is None else kx
+    X = x_loads(x, tok, [bf16_x_k(t, b, kx) for b in range(nb)], nb * 32 * WARPS)
     z = as_f32(zero)
     acc = [[z, z, z, z], [z, z, z, z]]
-    for b in range(NB):
+    for b in range(nb):
         lo, hi = A[b]
         for j in range(2):
             acc[j] = list(mma_bf16((lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1]),

@@ -1,6 +1,7 @@
-"""Input RMSNorm for K = 2048 (docs/numerics.md §1, docs/kernels.md §1): `rms_norm` and `fused_add_rms_norm`.
+"""Input RMSNorm of hidden size K (docs/numerics.md §1, docs/kernels.md §1): `rms_norm`, `fused_add_rms_norm`.
 
-One CTA of 256 threads per token row; each thread owns 8 consecutive elements (one 16-byte load per operand).
+One CTA of K / 8 threads per token row (256 at K = 2048); each thread owns 8 consecutive elements (one 16-byte
+load per operand).
 The kernel releases its PDL dependents at its very start, so the qkv GEMV behind it can start streaming its
 weights at once, and waits (griddepcontrol.wait) before it reads x or the residual, so it may itself be
 launched as a PDL dependent of whatever wrote them. The arithmetic is device.norm_*: the qkv kernel's
@@ -18,23 +19,24 @@ from cutlass import Float32, Int32
 
 from flint_aot.kernels import device, trace
 from flint_aot.kernels.compile import Kernel
-from flint_aot.kernels.device import NORM_CHUNKS, NORM_VEC, NORM_WARPS
+from flint_aot.kernels.device import NORM_VEC, NORM_WARP_K
 from flint_aot.kernels.diagnostics import SERVING, Diagnostics
-from loader.abi import HIDDEN, K_QUARTER, TOKEN_GROUP
-
-THREADS = NORM_CHUNKS  # one thread per 8-element chunk
-QUARTER_CHUNKS = K_QUARTER // NORM_VEC  # threads per K quarter of a row
+from loader.abi import TOKEN_GROUP, spec_hidden
 
 
 class NormKernel(Kernel):
-    """The input norm of one specialization: residual on/off, set once (and, in a diagnostic build, a
-    slow producer's spin or the timeline's trace points)."""
+    """The input norm of one specialization: residual on/off and the hidden size, set once (and, in a
+    diagnostic build, a slow producer's spin or the timeline's trace points)."""
 
-    kind, block = "norm", (THREADS, 1, 1)
+    kind = "norm"
 
     def __init__(self, spec: dict, arch: str, diag: Diagnostics = SERVING):
         self.arch, self.diag = arch, diag
         self.residual = bool(spec["residual"])
+        self.k = spec_hidden(spec)
+        self.block = (self.k // NORM_VEC, 1, 1)  # one thread per 8-element chunk
+        self.warps = self.k // NORM_WARP_K
+        self.quarter_chunks = self.k // 4 // NORM_VEC  # threads per K quarter of a row
         # > 0: busy-wait this many clock cycles before writing the outputs (a slow producer, used to prove
         # that a dependent kernel waits for it)
         self.spin = diag.norm_spin_cycles
@@ -64,25 +66,25 @@ class NormKernel(Kernel):
         tr = trace.Trace(buf is not None, buf, row, trace.NORM_WORDS, tid, row)
         tr.mark(trace.NORM_START)
         tr.smid(trace.NORM_SMID)
-        off = cute.assume(row * HIDDEN + tid * NORM_VEC, divby=NORM_VEC)
+        off = cute.assume(row * self.k + tid * NORM_VEC, divby=NORM_VEC)
         w = device.load_vec(weight + tid * NORM_VEC, NORM_VEC)  # a model constant: read before the wait
         cute.arch.griddepcontrol_wait()
         res = device.load_vec(residual + off, NORM_VEC) if cutlass.const_expr(self.residual) else None
         tr.mark(trace.NORM_WAITED)
         r, ss = device.norm_residual(device.load_vec(x + off, NORM_VEC), res)
         ss = cute.arch.warp_reduction_sum(ss)
-        red = cute.make_tensor(cute.arch.alloc_smem(Float32, NORM_WARPS, alignment=16),
-                               cute.make_layout(NORM_WARPS))  # fmt: skip
+        red = cute.make_tensor(cute.arch.alloc_smem(Float32, self.warps, alignment=16),
+                               cute.make_layout(self.warps))  # fmt: skip
         if lane == 0:
             red[warp] = ss
         cute.arch.sync_threads()
         tr.mark(trace.NORM_REDUCED)
-        y = device.norm_apply(r, device.norm_scale([red[i] for i in range(NORM_WARPS)], eps), w)
+        y = device.norm_apply(r, device.norm_scale([red[i] for i in range(self.warps)], eps), w)
         if cutlass.const_expr(self.spin > 0):
             device.spin_cycles(self.spin)
         # (the layout of xn: loader.abi.xn_strides; a thread's 8 elements never straddle a quarter)
         xo = ((row // TOKEN_GROUP) * xn_group + (row % TOKEN_GROUP) * xn_row
-              + (tid // QUARTER_CHUNKS) * xn_quarter + (tid % QUARTER_CHUNKS) * NORM_VEC)
+              + (tid // self.quarter_chunks) * xn_quarter + (tid % self.quarter_chunks) * NORM_VEC)
         if xn_pairs == 2:  # the wgmma stream's 128-byte swizzled tiles (loader.abi.WG_STRIDES)
             self.store_wg(xn, y, row, tid, xn_group, xn_row, xn_quarter, False)
         elif xn_pairs == 3:  # the same tiles, BF16's k order
@@ -109,7 +111,7 @@ class NormKernel(Kernel):
         (chunk // 8) KB + token * 128 + ((chunk % 8) ^ token) * 16 bytes: every 128-byte line is one token's
         (written as 4-byte pieces into lines shared by 8 tokens' CTAs, xn cost more than the wgmma gained:
         docs/kernels.md §2.6)."""
-        tq, i = wg_step(tid % QUARTER_CHUNKS, bf16)
+        tq, i = wg_step(tid % self.quarter_chunks, bf16)
         p = cute.make_rmem_tensor(cute.make_layout(NORM_VEC), cutlass.BFloat16)
         p.store(y if bf16 else device.mma_pairs(y))
         w = cute.recast_tensor(p, Int32)
@@ -124,7 +126,7 @@ class NormKernel(Kernel):
                 out[j] = cutlass.select_((tq ^ r) == j, got, out[j])
         c = 4 * i + tq
         n = row % TOKEN_GROUP
-        block = (row // TOKEN_GROUP) * xn_group + (tid // QUARTER_CHUNKS) * xn_quarter
+        block = (row // TOKEN_GROUP) * xn_group + (tid // self.quarter_chunks) * xn_quarter
         off = wg_offset(block, c, n, xn_row)
         o = cute.make_rmem_tensor(cute.make_layout(4), Int32)
         for j in range(4):

@@ -12,7 +12,8 @@ adds in the lane and lane ^ 1, then the 8 blocks in order), and so are its RMSNo
 e4m3(value / scale) of the same bf16 values. Tokens past M compute token M - 1's values (so no lane leaves
 a shuffle) and store nothing; heads past the last are loaded as the last one and left alone; a slot outside
 the cache is not written; a position outside the table gives that token's q/k NaN. PDL: releases its
-dependents at entry, reads the norm weights, then waits for the producer of qkv."""
+dependents at entry, reads the norm weights, then waits for the producer of qkv. Without q/k norm
+(`qk_norm: false`, Llama's numerics) q and k go to RoPE as they are, and no norm weight is read."""
 
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ assert QKNRC_TOKENS == THREADS // HALF
 
 
 class QkNormRopeCacheKernel(Kernel):
-    """The standalone per-head stage of one specialization: RoPE on/off and the cache dtype, set once."""
+    """The standalone per-head stage of one specialization: RoPE on/off, q/k norm on/off and the cache dtype,
+    set once."""
 
     kind, block = "qk_norm_rope_cache", (THREADS, 1, 1)
 
     def __init__(self, spec: dict, arch: str, diag: Diagnostics = SERVING):
         self.arch, self.diag = arch, diag
         self.rope = bool(spec["rope"])
+        self.qk_norm = bool(spec.get("qk_norm", True))
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
         self.vec_bytes = VEC * (1 if self.fp8 else 2)  # a lane's 8 cache elements
 
@@ -61,8 +64,10 @@ class QkNormRopeCacheKernel(Kernel):
         ln = tid % HALF  # this lane of its half-warp: dims 8 ln .. 8 ln + 7
         t = SimpleNamespace(dim0=ln * VEC, col=ln * VEC % HALF_DIM, base=lane - ln,
                             heads=num_q_heads + 2 * num_kv_heads)  # fmt: skip
-        w = [self.weights(a.q_norm_weight, t), self.weights(a.k_norm_weight, t)]  # (constants: before the
-        # wait)
+        if cutlass.const_expr(self.qk_norm):  # (constants: before the wait)
+            w = [self.weights(a.q_norm_weight, t), self.weights(a.k_norm_weight, t)]
+        else:  # (not read, not used)
+            w = [[[Float32(1.0)] * VEC] * 2] * 2
         cute.arch.griddepcontrol_wait()
         tok = tb * QKNRC_TOKENS + tid // HALF
         x = self.inputs(a, t, tok, hb)  # the token's heads, slot, position: every load first
@@ -132,21 +137,26 @@ class QkNormRopeCacheKernel(Kernel):
 
     def finish(self, a, t, h, cs, wn, wp):
         """The head's RMSNorm (fp32; the fused kernel's sum of squares: the lane's 8 dims as a balanced tree,
-        lane ^ 1 completes the 16-dim block, the 8 blocks added in order), RoPE and one bf16 rounding."""
+        lane ^ 1 completes the 16-dim block, the 8 blocks added in order), RoPE and one bf16 rounding; without
+        q/k norm, RoPE of the values as they are."""
         hv = [v.to(Float32) for v in h]
-        sq = [v * v for v in hv]
-        part = ((sq[0] + sq[1]) + (sq[2] + sq[3])) + ((sq[4] + sq[5]) + (sq[6] + sq[7]))
-        part = part + cute.arch.shuffle_sync_bfly(part, 1)
-        tot = cute.arch.shuffle_sync(part, t.base)
-        for r in range(1, CLUSTER):  # the 16-dim blocks in order (block r: lanes 2 r, 2 r + 1)
-            tot = tot + cute.arch.shuffle_sync(part, t.base + 2 * r)
-        inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
+        inv = None
+        if cutlass.const_expr(self.qk_norm):
+            sq = [v * v for v in hv]
+            part = ((sq[0] + sq[1]) + (sq[2] + sq[3])) + ((sq[4] + sq[5]) + (sq[6] + sq[7]))
+            part = part + cute.arch.shuffle_sync_bfly(part, 1)
+            tot = cute.arch.shuffle_sync(part, t.base)
+            for r in range(1, CLUSTER):  # the 16-dim blocks in order (block r: lanes 2 r, 2 r + 1)
+                tot = tot + cute.arch.shuffle_sync(part, t.base + 2 * r)
+            inv = cute.math.rsqrt(tot * Float32(1.0 / HEAD_DIM) + a.qk_eps)
         ys = []
         for j in range(VEC):
-            y = hv[j] * inv * wn[j]
+            y = hv[j] * inv * wn[j] if cutlass.const_expr(self.qk_norm) else hv[j]
             if cutlass.const_expr(self.rope):
                 ok, c, sn = cs
-                yp = cute.arch.shuffle_sync_bfly(hv[j], HALF // 2) * inv * wp[j]  # dim ^ 64: lane ^ 8
+                yp = cute.arch.shuffle_sync_bfly(hv[j], HALF // 2)  # dim ^ 64: lane ^ 8
+                if cutlass.const_expr(self.qk_norm):
+                    yp = yp * inv * wp[j]
                 y = device.rotate(y, yp, ok, c[j], sn[j], t.dim0 + j)
             ys.append(y.to(BFloat16))
         return ys

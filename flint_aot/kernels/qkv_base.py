@@ -21,7 +21,7 @@ from flint_aot.kernels.compile import Kernel
 from flint_aot.kernels.diagnostics import SERVING, Diagnostics
 from flint_aot.kernels.epilogue import HeadEpilogue
 from flint_aot.kernels.mma import ROWS, THREADS
-from loader.abi import CLUSTER, xn_pairs
+from loader.abi import CLUSTER, hidden_refusal, spec_hidden, xn_pairs
 
 R = ROWS
 
@@ -56,10 +56,14 @@ class QkvKernel(Kernel):
         self.fp8 = spec.get("kv_cache_dtype", "bf16") == "fp8_e4m3"
         self.prologue = spec.get("norm") == "prologue"
         self.tile = spec.get("max_m", 8)  # tokens per call this build serves
+        self.k = spec_hidden(spec)
+        why = hidden_refusal("qkv", self.k, spec.get("norm", "separate"))
+        assert why is None, f"hidden {self.k}: {why}"
+        self.qk_norm = bool(spec.get("qk_norm", True))
         # NVFP4, two-kernel design: the norm kernel writes xn in the MMA pair order (loader.abi.xn_pairs), so
         # no warp permutes its x fragments
         self.paired = bool(xn_pairs(spec))
-        self.epi = HeadEpilogue(self.nq, self.nkv, self.rope, self.fp8, self.tile)
+        self.epi = HeadEpilogue(self.nq, self.nkv, self.rope, self.fp8, self.tile, self.qk_norm)
 
     @cute.kernel
     def kernel(

@@ -70,7 +70,8 @@ class StreamQkv(QkvKernel):
         else:  # (the ring holds both groups of the 16-token tile; one copy of the loop's code)
             self.schedule, x = MmaRing(unroll=1), X_RING
             stages = STAGES if self.tile > 32 else self.tile // GROUP
-        self.core = StreamGemv(StreamConfig(self.fp4, self.tile, FP4_PRE_QKV, stages, x, owners="tokens",
+        self.core = StreamGemv(StreamConfig(self.fp4, self.tile, FP4_PRE_QKV, self.k, stages, x,
+                                            owners="tokens",
                                             read_barriers=self.schedule.read_barriers))  # fmt: skip
         self.dyn_smem = self.core.dyn_smem
         self.min_ctas_per_sm = 3  # registers within 3 CTAs per SM: every grid one wave

@@ -48,12 +48,13 @@ class Tile8Smem:
 class Tile8Qkv(QkvKernel):
     def __init__(self, spec: dict, arch: str, diag: Diagnostics = SERVING):
         super().__init__(spec, arch, diag)
-        self.gemv = CtaGemv(self.fp4, FP4_PRE_QKV, self.paired)
-        self.xrow = smem_row(self.fp4)
+        self.gemv = CtaGemv(self.fp4, FP4_PRE_QKV, self.k, self.paired)
+        self.xrow = smem_row(self.fp4, self.k)
         self.x = (Tile8Norm if self.prologue else Tile8Copy)(self.xrow)
         # bytes each CTA of a q/k head receives over DSMEM per group of 8 tokens: the 8 ranks' per-token sums
         # of squares, and (RoPE) the 16 x 8 values of its rotation partner (rank ^ 4), as fp32
-        self.rx_bytes = CLUSTER * GROUP * 4 + (R * GROUP * 4 if self.rope else 0)
+        # (without q/k norm only the partner's values, or nothing)
+        self.rx_bytes = (CLUSTER * GROUP * 4 if self.qk_norm else 0) + (R * GROUP * 4 if self.rope else 0)
 
     def body(self, a, t: Thread):
         s = self.shared(a, t)

@@ -25,24 +25,22 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from flint_aot.kernels import trace
 from flint_aot.kernels.device import bulk_copy, lanes
-from flint_aot.kernels.fp4 import FP4_WORDS
 from flint_aot.kernels.mma import (
     ROWS,
     THREADS,
     WARPS,
-    K,
     SharedX,
     TiledX,
     as_i32,
     ld_shared_f32x4,
+    steps,
     sum_quarters,
     sw128_chunk,
 )
 from flint_aot.kernels.weights import weights_then_wait
 from flint_aot.kernels.wgmma import WG_CORE, wg_desc, wg_desc_sw128, wg_fence, wg_wait, wgmma_rs, wgmma_ss
-from loader.abi import K_QUARTER, TOKEN_GROUP, WG_STRIDES, ring_strides, stream_row
+from loader.abi import TOKEN_GROUP, ring_strides, stream_row, wg_strides
 
-QUARTER = K_QUARTER  # k per quarter (512)
 GROUP = TOKEN_GROUP  # tokens per group: one mma.sync N
 STAGES = 3  # x ring depth by default: a group's bulk copies are issued 2 groups before its MMAs
 PART_BYTES = WARPS * ROWS * GROUP * 4  # partial sums one owner receives per group (4 quarters, fp32)
@@ -55,16 +53,17 @@ PART_WORDS = WARPS * ROWS * PART_ROW  # one group's buffer (words)
 # CTAs (2 halves x 4 quarters), [group][quarter][row] fp32: the same bytes, so PART_BYTES holds for both
 HEAD_ROWS = 2 * WARPS * ROWS
 TOKEN_WORDS = WARPS * HEAD_ROWS  # one group's buffer (words)
-# the wgmma tiles' kernels: A's words (NVFP4: decoded code words; BF16: k blocks; 16 either way, 8 registers
-# each) that stay in registers, per tile; the others are parked in shared memory. At 3 CTAs per SM (168
-# registers) 15 or 16 words beside N = 24's accumulators make ptxas serialize the wgmma and spill. Tile 64
-# keeps 14 so that its three CTAs fit the 196 KB carveout (docs/kernels.md §2.6)
+# the wgmma tiles' kernels: A's words (NVFP4: decoded code words; BF16: k blocks; 16 either way at hidden
+# 2048, 8 registers each) that stay in registers, per tile (all of them where a quarter has fewer); the others
+# are parked in shared memory. At 3 CTAs per SM (168 registers) 15 or 16 words beside N = 24's accumulators
+# make ptxas serialize the wgmma and spill. Tile 64 keeps 14 so that its three CTAs fit the 196 KB carveout
+# (docs/kernels.md §2.6)
 WG_REG = {32: 12, 64: 14}
 
 # How x reaches the ring (StreamConfig.x)
-X_ROWS = "rows"  # plain [M, K] rows, one 1 KB bulk copy per token (the standalone GEMV)
+X_ROWS = "rows"  # plain [M, K] rows, one bulk copy per token of K / 4 (1 KB at 2048) (the standalone GEMV)
 X_RING = "ring"  # the ring's layout (loader.abi.ring_strides), one copy per group and stage
-X_TILES = "tiles"  # wgmma tiles (loader.abi.WG_STRIDES), one 8 KB copy per group and stage
+X_TILES = "tiles"  # wgmma tiles (loader.abi.wg_strides), one copy per group and stage (8 KB at 2048)
 X_OWN = "own"  # normalised into the ring by the kernel itself (the prologue design): never copied
 
 
@@ -75,6 +74,7 @@ class StreamConfig:
     fp4: bool
     tile: int  # tokens a call may have (16, 32, 64)
     pre: int  # NVFP4 code words decoded before the wait
+    k: int  # the hidden size
     stages: int = STAGES  # x ring stages (at most the tile's groups)
     x: str = X_ROWS
     owners: str = "rows"  # who adds a group's quarters: "rows" (row blocks) or "tokens"
@@ -111,23 +111,24 @@ class StreamGemv:
         self.paired = cfg.paired
         self.part_words = TOKEN_WORDS if cfg.owners == "tokens" else PART_WORDS
         self.groups = cfg.tile // GROUP
+        self.k, self.quarter, self.words = cfg.k, cfg.k // WARPS, steps(cfg.k)
         self.stages = min(cfg.stages, self.groups)
         self.refills = cfg.read_barriers and self.groups > self.stages  # (the ring has stages to refill)
         fmt = "nvfp4" if cfg.fp4 else "bf16"
-        self.xrow = stream_row(fmt)
-        group, _, self.ring_quarter = ring_strides(fmt)  # X_RING: xn's strides
+        self.xrow = stream_row(fmt, cfg.k)
+        group, _, self.ring_quarter = ring_strides(fmt, cfg.k)  # X_RING: xn's strides
         self.ring_quarters = group // self.ring_quarter  # (a group's quarter blocks, one after another)
         self.dyn_smem = self.stages * GROUP * self.xrow * 2  # the x ring (bytes)
         if cfg.x == X_TILES:
-            # x as the wgmma's swizzled K-major tiles, a ring of 4 stages of 8 KB; A's words wg_reg .. 15
-            # parked after it (`park`)
+            # x as the wgmma's swizzled K-major tiles, a ring of 4 stages (8 KB each at 2048); A's words
+            # wg_reg .. words - 1 parked after it (`park`)
             assert (self.paired or not cfg.fp4) and self.stages == 4, "wgmma tiles: a ring of 4 stages"
-            self.wg_reg = WG_REG[cfg.tile]
-            group, _, self.ring_quarter = WG_STRIDES
+            self.wg_reg = min(WG_REG[cfg.tile], self.words)
+            group, _, self.ring_quarter = wg_strides(cfg.k)
             self.ring_quarters = group // self.ring_quarter
-            self.stage_bytes = GROUP * QUARTER * 2
+            self.stage_bytes = GROUP * self.quarter * 2
             self.a_off = self.stages * self.stage_bytes  # A's parked words, after the ring
-            self.a_sbo = (FP4_WORDS - self.wg_reg) * 4 * WG_CORE  # the next 8 rows of A
+            self.a_sbo = (self.words - self.wg_reg) * 4 * WG_CORE  # the next 8 rows of A
             self.dyn_smem = self.a_off + WARPS * ROWS // 8 * self.a_sbo
 
     def alloc(self) -> StreamSmem:
@@ -155,7 +156,7 @@ class StreamGemv:
     def start(self, w, wsc, gsc, row0, q, tid, m, issued=None, tr=trace.OFF):
         """The weights of this thread (rows row0 + g, + 8 of K quarter q), then the wait; every word ready
         for the MMAs, since every group uses every word."""
-        st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.cfg.pre, issued, q, tr)
+        st = weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.k, self.cfg.pre, issued, q, tr)
         return st.complete(tid)
 
     @cute.jit
@@ -179,10 +180,11 @@ class StreamGemv:
                 bulk_copy(xs + stg * GROUP * self.xrow, src, mbx + stg, nbytes)
         else:
             if tid == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (QUARTER * 2))
+                cute.arch.mbarrier_arrive_and_expect_tx(mbx + stg, n * (self.quarter * 2))
             if tid < n:
-                bulk_copy(xs + (stg * GROUP + tid) * self.xrow, x + ((GROUP * i + tid) * K + q * QUARTER),
-                          mbx + stg, QUARTER * 2)  # fmt: skip
+                bulk_copy(xs + (stg * GROUP + tid) * self.xrow,
+                          x + ((GROUP * i + tid) * self.k + q * self.quarter), mbx + stg,
+                          self.quarter * 2)  # fmt: skip
 
     @cute.jit
     def refill(self, xs, mbx, x, q, i, m, tid):
@@ -218,14 +220,14 @@ class StreamGemv:
         return st.partials(x, cutlass.min(g, m - GROUP * i - 1), tid, m, 0, self.paired)
 
     def park(self, st, xs, tid):
-        """x as wgmma tiles, after start: this thread's A fragments of words wg_reg .. 15 (both rows) into A's
+        """x as wgmma tiles, after start: this thread's A fragments of words wg_reg .. (both rows) into A's
         tile in shared memory, K-major without swizzle: row r = 16 w + g (+ 8), word t of core matrix
         4 (i - wg_reg) + j holds register j of word i (the k order of x's tiles). The caller fences them for
         the async proxy and syncs the CTA before the pass."""
         warp, _, g, t = lanes(tid)
         xb = xs.toint()
         D = st.words()
-        for i in range(self.wg_reg, FP4_WORDS):
+        for i in range(self.wg_reg, self.words):
             for h in range(2):
                 regs = D[h][i]
                 for j in range(4):
@@ -251,7 +253,7 @@ class StreamGemv:
         acc = wg_fence([z] * n)
         acc = [acc[: n // 2], acc[n // 2 :]]
         D = st.words()
-        for i in range(FP4_WORDS):
+        for i in range(self.words):
             for h in range(2):
                 db = bdesc + Int64(sw128_chunk(4 * i + 2 * h, 0) >> 4)  # (chunks 4 i + 2 h and + 1: 32 bytes)
                 if i >= self.wg_reg:

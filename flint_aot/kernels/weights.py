@@ -18,8 +18,16 @@ from cutlass import Float32, Int32
 
 from flint_aot.kernels import trace
 from flint_aot.kernels.device import lanes
-from flint_aot.kernels.fp4 import FP4_PRE_GEMV, FP4_WORDS, fp4_decode_rows, fp4_mma_partials, issue_fp4_loads
-from flint_aot.kernels.mma import NB, ROWS, WARPS, issue_weight_loads, mma_partials, reduce_rows, runtime_zero
+from flint_aot.kernels.fp4 import FP4_PRE_GEMV, fp4_decode_rows, fp4_mma_partials, issue_fp4_loads
+from flint_aot.kernels.mma import (
+    ROWS,
+    WARPS,
+    issue_weight_loads,
+    mma_partials,
+    reduce_rows,
+    runtime_zero,
+    steps,
+)
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class Bf16Weights:
 
     def words(self):
         """A's registers by word i and row half h: words()[h][i], 4 registers (the loads of k block i)."""
-        return [{i: self.A[i][h] for i in range(NB)} for h in range(2)]
+        return [{i: self.A[i][h] for i in range(len(self.A))} for h in range(2)]
 
     def scaled(self, v):
         return v
@@ -62,8 +70,8 @@ class Fp4Weights:
     zero: object
 
     def complete(self, tid) -> Fp4Weights:
-        """The words not decoded before the wait, decoded now: D then holds all 16."""
-        rest = fp4_decode_rows(self.codes, self.scales, range(self.pre, FP4_WORDS), tid)
+        """The words not decoded before the wait, decoded now: D then holds all of them."""
+        rest = fp4_decode_rows(self.codes, self.scales, range(self.pre, len(self.codes[0])), tid)
         return replace(self, D=[{**self.D[i], **rest[i]} for i in range(2)])
 
     def partials(self, x, tok, tid, m, kx=None, paired=False):
@@ -96,16 +104,18 @@ def guarded_wait(zero: Int32):
         cute.arch.griddepcontrol_wait()
 
 
-def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_GEMV, issued=None, kq=None,
-                      tr=trace.OFF):  # fmt: skip
-    """Issue this thread's whole weight slice (rows row0 + g, + 8 of K quarter kq, default the warp's; NVFP4:
-    codes, scales and the decode of `pre` of 16 words), then the guarded griddepcontrol.wait. BF16: issued(),
+def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, k: int, pre: int = FP4_PRE_GEMV, issued=None,
+                      kq=None, tr=trace.OFF):  # fmt: skip
+    """Issue this thread's whole weight slice (rows row0 + g, + 8 of hidden size k, K quarter kq, default the
+    warp's; NVFP4: codes, scales and the decode of `pre` of the steps(k) words, all of them if fewer), then
+    the guarded griddepcontrol.wait. BF16: issued(),
     if given, runs once the loads are issued, before any of them is waited for (the guard's chain starts from
     a clock read after it, so ptxas cannot hoist the waits above it). NVFP4 takes no issued(): a warp waiting
     there could not decode before the wait."""
     if fp4:
         assert issued is None, "NVFP4: a warp waiting in issued() could not decode before the wait"
-        codes, scw = issue_fp4_loads(w, wsc, row0, tid, kq)
+        pre = min(pre, steps(k))
+        codes, scw = issue_fp4_loads(w, wsc, row0, tid, k, kq)
         gs = global_scale(gsc)
         D = fp4_decode_rows(codes, scw, range(pre), tid)
         flat = scw[0][pre // 4 :] + scw[1][pre // 4 :] + codes[0][pre:] + codes[1][pre:]
@@ -114,7 +124,7 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
                 flat.extend(regs)
         st = Fp4Weights(codes, scw, D, pre, gs, runtime_zero(flat, m))
     else:
-        A = issue_weight_loads(w, row0, tid, kq)
+        A = issue_weight_loads(w, row0, tid, k, kq)
         flat = []
         if issued is not None:
             issued()
@@ -129,15 +139,16 @@ def weights_then_wait(fp4: bool, w, wsc, gsc, row0, tid, m, pre: int = FP4_PRE_G
 
 
 class CtaGemv:
-    """The 8-token GEMV of one CTA (128 threads, 16 rows, warp w = K quarter w) for one weight format:
-    `start` issues the weight slice and waits for the predecessor, `sums` computes the 16 rows for up to 8
-    tokens. paired: x in the NVFP4 MMA pair order (written so by the norm kernel, loader.abi.xn_pairs)."""
+    """The 8-token GEMV of one CTA (128 threads, 16 rows, warp w = K quarter w) for one weight format and
+    hidden size k: `start` issues the weight slice and waits for the predecessor, `sums` computes the 16 rows
+    for up to 8 tokens. paired: x in the NVFP4 MMA pair order (written so by the norm kernel,
+    loader.abi.xn_pairs)."""
 
-    def __init__(self, fp4: bool, pre: int, paired: bool = False):
-        self.fp4, self.pre, self.paired = fp4, pre, paired
+    def __init__(self, fp4: bool, pre: int, k: int, paired: bool = False):
+        self.fp4, self.pre, self.k, self.paired = fp4, pre, k, paired
 
     def start(self, w, wsc, gsc, row0, tid, m, issued=None, tr=trace.OFF):
-        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.pre, issued, tr=tr)
+        return weights_then_wait(self.fp4, w, wsc, gsc, row0, tid, m, self.k, self.pre, issued, tr=tr)
 
     def sums(self, st, x, m, tid):
         """After start: thread tid gets the fp32 sum (times the global scale for NVFP4) of row tid % 16, token
