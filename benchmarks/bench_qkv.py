@@ -12,6 +12,7 @@ rows show the same numbers, since torch has no NVFP4 GEMM on sm_90a. Neither has
 
     PYTHONPATH=. python3 benchmarks/bench_qkv.py [--out FILE.md] [--json FILE.json] [--heads 32x4 ...]
         [--m 1 ...] [--fmt bf16 nvfp4] [--bundle build/flint] [--compare BUNDLE ...] [--all | --quick]
+        [--hidden K] [--no-qk-norm]
         [--commit HASH]     # (the commit recorded; default `git rev-parse --short HEAD`, else 'unknown')
     python benchmarks/plot_qkv.py FILE.json FILE.png        # the plot, from the JSON (needs matplotlib)
 
@@ -19,6 +20,8 @@ The designs are chosen with loader.launch_options(design=...). --all adds the pr
 cache and without PDL; --quick measures the two-kernel design and the peers only. --compare adds, per row,
 the fused op from other bundles (A/B of kernel versions in one run; each bundle needs the variants
 benchmarked). Rows with M above the loader's limit (loader.abi.MAX_M) have peers but no op columns.
+--hidden runs another hidden size K (the bundle must hold its variants, e.g. configs/models/qwen3-0.6b.yaml);
+--no-qk-norm the kernels without q/k norm (q_norm_weight = k_norm_weight = None).
 """
 
 import argparse
@@ -35,7 +38,7 @@ import loader
 from loader.abi import MAX_M
 from loader.reference import make_cos_sin_cache
 
-K, D = 2048, 128
+K, D = 2048, 128  # (K: --hidden)
 HEADS = [(32, 4), (16, 8), (16, 2)]
 MS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
 M_MAX_HERE = 64  # the most tokens this script sizes its caches, positions and slots for
@@ -268,7 +271,7 @@ def markdown(rows: list, bw: float, commit: str, ab: list, main_bundle) -> str:
         return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f.format(v)
 
     text = (
-        f"commit {commit}; copy bandwidth (read+write, 4 GiB device copy, graph, median): "
+        f"commit {commit}; hidden size {K}; copy bandwidth (read+write, 4 GiB device copy, graph, median): "
         f"{bw / 1e12:.2f} TB/s.\n"
         "µs per layer, CUDA graph of many layers with distinct weights, median of 30 replays. The op: "
         "flint_qkv_fused, two-kernel design (% of copy BW and the ratios use it; below 1x the op is faster). "
@@ -292,6 +295,7 @@ def markdown(rows: list, bw: float, commit: str, ab: list, main_bundle) -> str:
 
 
 def main():
+    global K  # (--hidden: every helper of this script sizes its tensors by K)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="the table in Markdown")
     ap.add_argument("--json", default=None, help="every row's numbers (for benchmarks/plot_qkv.py)")
@@ -304,7 +308,10 @@ def main():
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--all", action="store_true", help="also the prologue design with an FP8 cache, no PDL")
     mode.add_argument("--quick", action="store_true", help="only the two-kernel design and the peers")
+    ap.add_argument("--hidden", type=int, default=K, help="the hidden size K (default 2048)")
+    ap.add_argument("--no-qk-norm", action="store_true", help="the kernels without q/k norm")
     args = ap.parse_args()
+    K = args.hidden
     if not args.m or not all(1 <= m <= M_MAX_HERE for m in args.m):
         ap.error(f"--m takes token counts 1..{M_MAX_HERE}, got {args.m}")
     heads = HEADS if not args.heads else [tuple(int(v) for v in h.split("x")) for h in args.heads]
@@ -333,7 +340,7 @@ def main():
                 peer_ws = make_weights("bf16", n, layer_count(weight_bytes("bf16", n)))
             cs = make_cos_sin_cache(4096, device="cuda")
             nw = torch.ones(K, dtype=torch.bfloat16, device="cuda")
-            qn = torch.ones(D, dtype=torch.bfloat16, device="cuda")
+            qn = None if args.no_qk_norm else torch.ones(D, dtype=torch.bfloat16, device="cuda")
             caches = {}
             for kv, dt in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
                 kc = torch.zeros(layers, 64, 16, nkv, D, dtype=dt, device="cuda")  # 1024 slots a layer
@@ -353,7 +360,8 @@ def main():
                         loader.flint_qkv_fused(x, r, nw, 1e-6, w, wsc, gs, qn, qn, 1e-6, cs, pos, kc[i],
                                                vc[i], slots, nq, nkv, **sc)  # fmt: skip
 
-                row = {"heads": [nq, nkv], "fmt": fmt, "M": m, "layers": layers, "weight_bytes": wbytes}
+                row = {"heads": [nq, nkv], "fmt": fmt, "M": m, "layers": layers, "weight_bytes": wbytes,
+                       "hidden": K, "qk_norm": qn is not None}  # fmt: skip
                 if m > MAX_M:
                     print(f"({nq},{nkv}) {fmt} M={m}: the op refuses M > loader.abi.MAX_M = {MAX_M}: "
                           "peers only", flush=True)  # fmt: skip

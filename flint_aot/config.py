@@ -1,16 +1,18 @@
 """The YAML variant matrix: loading, validation and expansion into specializations.
 
     archs: [sm_90a, sm_100a]
-    norm:                       # input RMSNorm
+    hidden: [2048]              # optional, default [2048]: the model's hidden sizes (K)
+    norm:                       # input RMSNorm, for every hidden size
       residual: [true, false]
     qkv:                        # fused qkv GEMV
       weight_format: [bf16, nvfp4]
       rope: [true, false]
-      heads: [[32, 4], [16, 8]] # (num_q_heads, num_kv_heads)
+      heads: [[32, 4], [16, 8]] # (num_q_heads, num_kv_heads): for every hidden size; [q, kv, hidden]: for one
+      qk_norm: [true]                    # optional, default [true]; false: Llama's numerics
       kv_cache_dtype: [bf16, fp8_e4m3]   # optional, default [bf16]
       norm: [separate, prologue]         # optional, default [separate]
       max_m: [8, 16, 32, 64]             # optional, default all: token tiles (64 required)
-    gemv:
+    gemv:                       # for every hidden size
       weight_format: [bf16, nvfp4]
       max_m: [8, 16, 32, 64]             # optional, as qkv.max_m
     plugins:                    # your own kernels (docs/plugins.md)
@@ -93,11 +95,23 @@ class _Checker:
                 raise ConfigError(f"{self.source}: {(path + '.' + k).lstrip('.')}: missing (required)")
         return d
 
-    def max_tokens(self, v, path: str) -> int:
+    def max_tokens(self, v, path: str, hidden=(abi.HIDDEN,)) -> int:
         """The most tokens a call of an unfused norm or per-head op may have: at least the fused op's MAX_M
-        (its two-kernel design runs the norm kernel), at most what the kernels' grids and offsets hold."""
-        if isinstance(v, bool) or not isinstance(v, int) or not MAX_M <= v <= abi.TOKENS_LIMIT:
-            self.fail(path, v, f"an integer in {MAX_M}..{abi.TOKENS_LIMIT} (default {abi.MAX_TOKENS})")
+        (its two-kernel design runs the norm kernel), at most what the kernels' grids and offsets hold at the
+        config's largest hidden size."""
+        limit = abi.tokens_limit(max(hidden))
+        if isinstance(v, bool) or not isinstance(v, int) or not MAX_M <= v <= limit:
+            self.fail(path, v, f"an integer in {MAX_M}..{limit} (default {min(abi.MAX_TOKENS, limit)})")
+        return v
+
+    def hidden(self, v, path: str) -> list:
+        """The config's hidden sizes: each one the norm kernel can be built for (the other kinds are checked
+        where they are asked for)."""
+        v = self.nonempty_unique_list(v, path, "hidden sizes, e.g. [2048]")
+        for i, k in enumerate(v):
+            why = abi.hidden_refusal("norm", k)
+            if why:
+                self.fail(f"{path}[{i}]", k, why)
         return v
 
     def nonempty_unique_list(self, v, path: str, accepted: str) -> list:
@@ -135,60 +149,79 @@ class _Checker:
             self.fail(path, v, f"a list holding {MAX_M}: the tile that serves M up to {MAX_M}")
         return sorted(v)
 
-    def heads(self, v, path: str) -> list:
-        what = "[num_q_heads, num_kv_heads] pairs of positive integers, q a multiple of kv"
+    def heads(self, v, path: str, hidden: list) -> list:
+        """[q, kv] pairs (for every hidden size of the config) or [q, kv, hidden] (for that one, which the
+        config's `hidden` must list), as [q, kv, hidden] triples, one per (heads, hidden size)."""
+        what = ("[num_q_heads, num_kv_heads] pairs of positive integers, q a multiple of kv, or "
+                "[num_q_heads, num_kv_heads, hidden] for one hidden size of `hidden`")  # fmt: skip
         v = self.nonempty_unique_list(v, path, what)
+        out = []
         for i, item in enumerate(v):
             p = f"{path}[{i}]"
-            if not (isinstance(item, list) and len(item) == 2):
+            if not (isinstance(item, list) and len(item) in (2, 3)):
                 self.fail(p, item, what)
-            q, kv = item
-            for j, n in enumerate(item):
+            if len(item) == 3 and (item[2] not in hidden or isinstance(item[2], bool)):
+                self.fail(f"{p}[2]", item[2], f"a hidden size of `hidden` ({', '.join(map(str, hidden))})")
+            q, kv = item[:2]
+            for j, n in enumerate(item[:2]):
                 if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HEADS:
                     self.fail(f"{p}[{j}]", n, f"an integer in 1..{MAX_HEADS}")
             if q % kv:
                 self.fail(p, item, f"num_q_heads a multiple of num_kv_heads ({q} % {kv} = {q % kv})")
-        return v
+            for k in item[2:] or hidden:
+                if [q, kv, k] in out:
+                    self.fail(p, item, f"each (heads, hidden) once: [{q}, {kv}] at hidden {k} is given twice")
+                out.append([q, kv, k])
+        return out
 
 
 def validate(raw, source: str = "<config>") -> dict:
     """Check a parsed config and return it normalized (plain lists, canonical order of keys)."""
     c = _Checker(source)
-    c.mapping(raw, "", {"archs": True, **{k: False for k in KINDS}, "plugins": False, "diagnostics": False})
+    c.mapping(raw, "", {"archs": True, "hidden": False, **{k: False for k in KINDS}, "plugins": False,
+                        "diagnostics": False})  # fmt: skip
     out = {"archs": list(c.choices(raw["archs"], "archs", ARCHS))}
+    hidden = list(c.hidden(raw.get("hidden", [abi.HIDDEN]), "hidden"))
+    if "hidden" in raw:
+        out["hidden"] = hidden
     if "norm" in raw:
         n = c.mapping(raw["norm"], "norm", {"residual": True, "max_tokens": False})
         out["norm"] = {"residual": list(c.bools(n["residual"], "norm.residual"))}
         if "max_tokens" in n:
-            out["norm"]["max_tokens"] = c.max_tokens(n["max_tokens"], "norm.max_tokens")
+            out["norm"]["max_tokens"] = c.max_tokens(n["max_tokens"], "norm.max_tokens", hidden)
     if "qkv" in raw:
         q = c.mapping(raw["qkv"], "qkv", {"weight_format": True, "rope": True, "heads": True,
-                                          "kv_cache_dtype": False, "norm": False,
+                                          "qk_norm": False, "kv_cache_dtype": False, "norm": False,
                                           "max_m": False})  # fmt: skip
         out["qkv"] = {
             "weight_format": list(c.choices(q["weight_format"], "qkv.weight_format", WEIGHT_FORMATS)),
             "rope": list(c.bools(q["rope"], "qkv.rope")),
-            "heads": [list(h) for h in c.heads(q["heads"], "qkv.heads")],
+            "heads": c.heads(q["heads"], "qkv.heads", hidden),
+            "qk_norm": list(c.bools(q.get("qk_norm", [True]), "qkv.qk_norm")),
             "kv_cache_dtype": list(c.choices(q.get("kv_cache_dtype", ["bf16"]), "qkv.kv_cache_dtype",
                                              KV_CACHE_DTYPES)),
             "norm": list(c.choices(q.get("norm", ["separate"]), "qkv.norm", NORM_MODES)),
             "max_m": c.tiles(q.get("max_m", list(M_TILES)), "qkv.max_m"),
         }  # fmt: skip
+        _buildable(c, "qkv", sorted({h[2] for h in out["qkv"]["heads"]}), out["qkv"]["norm"])
     if "gemv" in raw:
         g = c.mapping(raw["gemv"], "gemv", {"weight_format": True, "max_m": False})
         fmts = c.choices(g["weight_format"], "gemv.weight_format", WEIGHT_FORMATS)
         tiles = c.tiles(g.get("max_m", list(M_TILES)), "gemv.max_m")
         out["gemv"] = {"weight_format": list(fmts), "max_m": tiles}
+        _buildable(c, "gemv", hidden)
     if "qk_norm_rope_cache" in raw:
         g = c.mapping(raw["qk_norm_rope_cache"], "qk_norm_rope_cache",
-                      {"rope": True, "kv_cache_dtype": False, "max_tokens": False})  # fmt: skip
+                      {"rope": True, "qk_norm": False, "kv_cache_dtype": False,
+                       "max_tokens": False})  # fmt: skip
         out["qk_norm_rope_cache"] = {
             "rope": list(c.bools(g["rope"], "qk_norm_rope_cache.rope")),
+            "qk_norm": list(c.bools(g.get("qk_norm", [True]), "qk_norm_rope_cache.qk_norm")),
             "kv_cache_dtype": list(c.choices(g.get("kv_cache_dtype", ["bf16"]),
                                              "qk_norm_rope_cache.kv_cache_dtype", KV_CACHE_DTYPES)),
         }  # fmt: skip
         if "max_tokens" in g:
-            limit = c.max_tokens(g["max_tokens"], "qk_norm_rope_cache.max_tokens")
+            limit = c.max_tokens(g["max_tokens"], "qk_norm_rope_cache.max_tokens", hidden)
             out["qk_norm_rope_cache"]["max_tokens"] = limit
     if "plugins" in raw:
         out["plugins"] = _plugins(c, raw["plugins"])
@@ -205,6 +238,16 @@ def validate(raw, source: str = "<config>") -> dict:
         if d:
             out["diagnostics"] = d
     return out
+
+
+def _buildable(c: _Checker, kind: str, hidden: list, norms=("separate",)) -> None:
+    """Refuse a hidden size that this kind's kernels (in these designs) cannot be built for."""
+    for k in hidden:
+        for norm in norms:
+            why = abi.hidden_refusal(kind, k, norm)
+            if why:
+                where = "hidden" if kind == "gemv" else f"{kind}.heads"
+                c.fail(where, k, f"{why} ({kind}" + (f", norm: {norm})" if kind == "qkv" else ")"))
 
 
 def _plugins(c: _Checker, raw) -> dict:
@@ -370,21 +413,26 @@ def _diagnostics(c, raw) -> dict:
 def expand(config: dict) -> list[Specialization]:
     """Every (kernel, specialization, arch) of a validated config, in a stable order."""
     specs: list[tuple[str, dict]] = []
+    hidden = config.get("hidden", [abi.HIDDEN])
     if "norm" in config:
-        for res in config["norm"]["residual"]:
-            specs.append(("norm", abi.norm_spec(res)))
+        for k, res in itertools.product(hidden, config["norm"]["residual"]):
+            specs.append(("norm", abi.norm_spec(res, k)))
     if "qkv" in config:
         q = config["qkv"]
-        axes = (q["weight_format"], q["rope"], q["heads"], q.get("kv_cache_dtype", ["bf16"]),
-                q.get("norm", ["separate"]), q.get("max_m", list(M_TILES)))  # fmt: skip
-        for fmt, rope, (nq, nkv), kv, norm, tile in itertools.product(*axes):
-            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile)))
+        heads = [h if len(h) == 3 else [*h, k] for h in q["heads"] for k in ([0] if len(h) == 3 else hidden)]
+        axes = (q["weight_format"], q["rope"], q.get("qk_norm", [True]), heads,
+                q.get("kv_cache_dtype", ["bf16"]), q.get("norm", ["separate"]),
+                q.get("max_m", list(M_TILES)))  # fmt: skip
+        for fmt, rope, qkn, (nq, nkv, k), kv, norm, tile in itertools.product(*axes):
+            specs.append(("qkv", abi.qkv_spec(fmt, rope, nq, nkv, kv, norm, tile, k, qkn)))
     g = config.get("gemv", {})
-    for fmt, tile in itertools.product(g.get("weight_format", []), g.get("max_m", list(M_TILES))):
-        specs.append(("gemv", abi.gemv_spec(fmt, tile)))
+    for k, fmt, tile in itertools.product(hidden if g else [], g.get("weight_format", []),
+                                          g.get("max_m", list(M_TILES))):  # fmt: skip
+        specs.append(("gemv", abi.gemv_spec(fmt, tile, k)))
     g = config.get("qk_norm_rope_cache", {})
-    for rope, kv in itertools.product(g.get("rope", []), g.get("kv_cache_dtype", ["bf16"])):
-        specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv)))
+    for rope, qkn, kv in itertools.product(g.get("rope", []), g.get("qk_norm", [True]),
+                                           g.get("kv_cache_dtype", ["bf16"])):  # fmt: skip
+        specs.append(("qk_norm_rope_cache", abi.qk_norm_rope_cache_spec(rope, kv, qkn)))
     diag = tuple(sorted(config.get("diagnostics", {}).items()))
     out = [Specialization(kind, spec_name(kind, spec), spec, arch, diagnostics=diag) for kind, spec in specs
            for arch in config["archs"]]  # fmt: skip

@@ -9,7 +9,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_GEMV_ROWS, MAX_M, NVFP4_ROW_BYTES, SCALE_COLS
+from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_M, max_gemv_rows, nvfp4_row_bytes, scale_cols
 
 BF16, F32, I64, U8, E4M3 = torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.float8_e4m3fn
 I32_MAX = (1 << 31) - 1
@@ -19,9 +19,14 @@ ROWS = [torch.Size([m, HIDDEN]) for m in range(MAX_M + 1)]
 TOKENS = [torch.Size([m]) for m in range(MAX_M + 1)]
 
 
-def rows(m: int) -> torch.Size:
-    """torch.Size([m, HIDDEN]): the decode sizes (m <= MAX_M) from ROWS, built once; prefill sizes anew."""
-    return ROWS[m] if m <= MAX_M else torch.Size([m, HIDDEN])
+def rows(m: int, k: int = HIDDEN) -> torch.Size:
+    """torch.Size([m, k]): at HIDDEN the decode sizes (m <= MAX_M) from ROWS, built once; others anew."""
+    return ROWS[m] if m <= MAX_M and k == HIDDEN else torch.Size([m, k])
+
+
+def hidden(k: int) -> torch.Size:
+    """torch.Size([k]): a norm weight's shape."""
+    return HIDDEN_SHAPE if k == HIDDEN else torch.Size([k])
 
 
 def tokens(m: int) -> torch.Size:
@@ -59,15 +64,16 @@ def eps(name: str, v) -> float:
     return float(v)
 
 
-def activations(x, name: str = "x", cols: int = HIDDEN, limit: int = MAX_M,
+def activations(x, name: str = "x", cols: int | None = None, limit: int = MAX_M,
                 why: str = "the kernels' limit") -> tuple[int, int]:  # fmt: skip
     """(M, device index) of a contiguous bf16 [M, cols] on a CUDA device, 1 <= M <= limit (the fused op and
-    the GEMV: MAX_M; the unfused norm and per-head ops: the bundle's max_tokens, named by `why`)."""
+    the GEMV: MAX_M; the unfused norm and per-head ops: the bundle's max_tokens, named by `why`). cols None:
+    the hidden size K, any (the kernel lookup refuses one the bundle lacks, naming those it has)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     s = x.shape
-    if len(s) != 2 or s[1] != cols or not 1 <= s[0] <= limit:
-        raise ValueError(f"{name} must have shape [M, {cols}] with 1 <= M <= {limit} ({why}), "
+    if len(s) != 2 or s[1] != (cols or s[1]) or not s[1] or not 1 <= s[0] <= limit:
+        raise ValueError(f"{name} must have shape [M, {cols or 'K'}] with 1 <= M <= {limit} ({why}), "
                          f"got {list(s)}")  # fmt: skip
     dev = x.get_device()
     if dev < 0:
@@ -89,19 +95,20 @@ def heads(nq, nkv) -> tuple[int, int]:
     return nq, nkv
 
 
-def weight(w, weight_scale, global_scale, dev: int, n: int | None) -> tuple[str, int]:
-    """(format, N) of a BF16 or NVFP4 weight of n rows (n None: any multiple of 16 up to MAX_GEMV_ROWS)."""
+def weight(w, weight_scale, global_scale, dev: int, n: int | None, k: int = HIDDEN) -> tuple[str, int]:
+    """(format, N) of a BF16 or NVFP4 weight of n rows and hidden size k (n None: any multiple of 16 up to
+    loader.abi.max_gemv_rows(k))."""
     if not isinstance(w, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(w).__name__}")
     fmt = "bf16" if w.dtype is BF16 else "nvfp4" if w.dtype is U8 else None
     if fmt is None:
-        raise TypeError(f"weight must be bf16 [N, {HIDDEN}] or NVFP4 uint8 [N, {NVFP4_ROW_BYTES}], "
+        raise TypeError(f"weight must be bf16 [N, {k}] or NVFP4 uint8 [N, {nvfp4_row_bytes(k)}], "
                         f"got {w.dtype}")  # fmt: skip
-    cols = HIDDEN if fmt == "bf16" else NVFP4_ROW_BYTES
+    cols = k if fmt == "bf16" else nvfp4_row_bytes(k)
     if n is None:
-        n = w.shape[0] if w.dim() == 2 else 0
-        if not (16 <= n <= MAX_GEMV_ROWS and n % 16 == 0):
-            raise ValueError(f"weight must have shape [N, {cols}], N a multiple of 16 in 16..{MAX_GEMV_ROWS} "
+        n, most = (w.shape[0] if w.dim() == 2 else 0), max_gemv_rows(k)
+        if not (16 <= n <= most and n % 16 == 0):
+            raise ValueError(f"weight must have shape [N, {cols}], N a multiple of 16 in 16..{most} "
                              f"(the kernels' 32-bit row offsets), got {list(w.shape)}")  # fmt: skip
     tensor("weight", w, w.dtype, (n, cols), dev)
     if fmt == "bf16":
@@ -113,7 +120,7 @@ def weight(w, weight_scale, global_scale, dev: int, n: int | None) -> tuple[str,
     sdt = weight_scale.dtype if isinstance(weight_scale, Tensor) else None
     if sdt is not E4M3 and sdt is not U8:
         raise TypeError(f"weight_scale must be a torch.float8_e4m3fn (or torch.uint8 view) tensor, got {sdt}")
-    tensor("weight_scale", weight_scale, sdt, (-(-n // 128) * 128, SCALE_COLS), dev)  # rows padded to 128
+    tensor("weight_scale", weight_scale, sdt, (-(-n // 128) * 128, scale_cols(k)), dev)  # rows padded to 128
     scalar("global_scale", global_scale, dev)
     return fmt, n
 

@@ -19,7 +19,7 @@ import torch
 from loader import abi, nvfp4
 from loader import reference as ref
 
-K, D = 2048, 128
+D = 128
 TOL = 1e-2  # docs/numerics.md §6: relative Frobenius error of q, k, v
 FP8_TOL = 5e-2  # an e4m3 cache: 3 mantissa bits, RMS rounding error ~3 % of the value
 MS = (1, 8, 9, 32, 64)  # the token counts checked unless asked: the 8-token tile's ends and each stream tile
@@ -39,8 +39,8 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _weights(fmt, n, g):
-    w = (torch.randn(n, K, device="cuda", generator=g) * 0.03).bfloat16()
+def _weights(fmt, n, k, g):
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.03).bfloat16()
     if fmt == "bf16":
         return (w, None, None), w
     packed, scales, gs = nvfp4.quantize(w)
@@ -58,10 +58,11 @@ def _timed(fn):
 def _check_norm(e, m, g):
     import loader
 
-    x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
-    w = (1 + 0.3 * torch.randn(K, device="cuda", generator=g)).bfloat16()
+    k = abi.spec_hidden(e.spec)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (1 + 0.3 * torch.randn(k, device="cuda", generator=g)).bfloat16()
     if e.spec["residual"]:
-        r = torch.randn(m, K, device="cuda", generator=g).bfloat16()
+        r = torch.randn(m, k, device="cuda", generator=g).bfloat16()
         (xn, ro), ms = _timed(lambda: loader.fused_add_rms_norm(x, r, w, 1e-6))
         exn, ero = ref.rms_norm_ref(x, r, w, 1e-6)
         return max(_rel(xn, exn), _rel(ro, ero)), ms
@@ -69,12 +70,15 @@ def _check_norm(e, m, g):
     return _rel(xn, ref.rms_norm_ref(x, None, w, 1e-6)[0]), ms
 
 
-def _qk_case(m, nq, nkv, rope, kv, g):
+def _qk_case(m, nq, nkv, rope, kv, g, qk_norm=True):
     """Inputs of the per-head stage; caches poisoned with NaN (bf16 NaN, or the e4m3 NaN byte 0x7f)."""
     nb, bs = 8, 16
+    def nw():  # (None without q/k norm)
+        return (1 + 0.3 * torch.randn(D, device="cuda", generator=g)).bfloat16() if qk_norm else None
+
     c = dict(
-        q_norm_weight=(1 + 0.3 * torch.randn(D, device="cuda", generator=g)).bfloat16(),
-        k_norm_weight=(1 + 0.3 * torch.randn(D, device="cuda", generator=g)).bfloat16(),
+        q_norm_weight=nw(),
+        k_norm_weight=nw(),
         qk_eps=1e-6,
         cos_sin_cache=ref.make_cos_sin_cache(4096, device="cuda") if rope else None,
         positions=torch.randint(0, 4096, (m,), device="cuda", generator=g),
@@ -111,12 +115,12 @@ def _check_qkv(e, m, g):
     import loader
 
     nq, nkv = e.spec["heads"]
-    n = (nq + 2 * nkv) * D
-    x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
-    r = torch.randn(m, K, device="cuda", generator=g).bfloat16()
-    nw = (1 + 0.3 * torch.randn(K, device="cuda", generator=g)).bfloat16()
-    (w, ws, gs), dense = _weights(e.spec["weight_format"], n, g)
-    c = _qk_case(m, nq, nkv, e.spec["rope"], e.spec["kv_cache_dtype"], g)
+    n, k = (nq + 2 * nkv) * D, abi.spec_hidden(e.spec)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    r = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.3 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    (w, ws, gs), dense = _weights(e.spec["weight_format"], n, k, g)
+    c = _qk_case(m, nq, nkv, e.spec["rope"], e.spec["kv_cache_dtype"], g, e.spec.get("qk_norm", True))
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     with loader.launch_options(design=e.spec["norm"]):
         (q, ro), ms = _timed(lambda: loader.flint_qkv_fused(x, r, nw, 1e-6, w, ws, gs, num_q_heads=nq,
@@ -132,9 +136,9 @@ def _check_qkv(e, m, g):
 def _check_gemv(e, m, g):
     import loader
 
-    n = 1024 + 16
-    x = torch.randn(m, K, device="cuda", generator=g).bfloat16()
-    (w, ws, gs), dense = _weights(e.spec["weight_format"], n, g)
+    n, k = 1024 + 16, abi.spec_hidden(e.spec)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    (w, ws, gs), dense = _weights(e.spec["weight_format"], n, k, g)
     y, ms = _timed(lambda: loader.gemv(x, w, ws, gs))
     return _rel(y, ref.gemv_ref(x, dense)), ms
 
@@ -144,7 +148,7 @@ def _check_qk(e, m, g):
 
     nq, nkv = 8, 2
     qkv = (torch.randn(m, (nq + 2 * nkv) * D, device="cuda", generator=g) * 3).bfloat16()
-    c = _qk_case(m, nq, nkv, e.spec["rope"], e.spec["kv_cache_dtype"], g)
+    c = _qk_case(m, nq, nkv, e.spec["rope"], e.spec["kv_cache_dtype"], g, e.spec.get("qk_norm", True))
     kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
     q, ms = _timed(lambda: loader.qk_norm_rope_cache(qkv, num_q_heads=nq, num_kv_heads=nkv, **c))
     eq, ek, ev = ref.qk_norm_rope_ref(qkv, c["q_norm_weight"], c["k_norm_weight"], 1e-6, c["cos_sin_cache"],

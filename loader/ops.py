@@ -15,7 +15,7 @@ from torch import Tensor
 from loader import abi, checks, plans, runtime
 from loader.abi import HEAD_DIM
 from loader.bundle import BundleError
-from loader.checks import BF16, F32, HEAD_SHAPE, HIDDEN_SHAPE, I32_MAX, I64, ROWS
+from loader.checks import BF16, F32, HEAD_SHAPE, I32_MAX, I64
 from loader.manifest import ManifestError
 
 # torch's current stream of a device as a raw handle (0.1 µs; torch.cuda.current_stream costs ~5 µs)
@@ -63,8 +63,8 @@ _NORM = ("x", "residual", "weight")  # the tensors of a norm call, in the op's o
 _NORM_VALUES = ("residual_out", "xn", "eps")  # its other values, after the tensors' data pointers
 
 
-def _norm_launcher(dev: int, has_res: bool):
-    return _launcher(dev, "norm", has_res, lambda: abi.norm_spec(has_res))
+def _norm_launcher(dev: int, has_res: bool, k: int):
+    return _launcher(dev, "norm", (has_res, k), lambda: abi.norm_spec(has_res, k))
 
 
 def _xn_layout(strides: tuple[int, int, int], pairs: int = 0) -> dict:
@@ -84,13 +84,14 @@ def _token_limit(kind: str) -> tuple[int, str]:
 
 def _norm_plan(names, renames, args, has_res) -> plans.Plan:
     x, residual, weight = args
-    m, dev = checks.activations(x, "x", abi.HIDDEN, *_token_limit("norm"))
+    m, dev = checks.activations(x, "x", None, *_token_limit("norm"))
+    k = x.shape[1]
     if has_res:
-        checks.tensor("residual", residual, BF16, checks.rows(m), dev)
-    checks.tensor("weight", weight, BF16, HIDDEN_SHAPE, dev)
+        checks.tensor("residual", residual, BF16, checks.rows(m, k), dev)
+    checks.tensor("weight", weight, BF16, checks.hidden(k), dev)
     p = plans.Plan(dev, (), names=names)
-    consts = _xn_layout(abi.ROW_MAJOR) | ({} if has_res else {"residual": 0})  # (without: it reads none)
-    plans.bind(p, names + _NORM_VALUES, [(_norm_launcher(dev, has_res), {"M": m}, consts, renames)])
+    consts = _xn_layout(abi.row_major(k)) | ({} if has_res else {"residual": 0})  # (without: it reads none)
+    plans.bind(p, names + _NORM_VALUES, [(_norm_launcher(dev, has_res, k), {"M": m}, consts, renames)])
     return p
 
 
@@ -108,8 +109,8 @@ def _norm(x, residual, weight, eps) -> tuple[Tensor, Tensor]:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, 2048], 1 <= M <= the bundle's
-    norm.max_tokens (16384 by default; docs/api.md §4)."""
+    """xn = bf16(bf16(x * rsqrt(mean(x²) + eps)) * weight) for x bf16 [M, K] (K a hidden size of the bundle),
+    1 <= M <= the bundle's norm.max_tokens (16384 by default; docs/api.md §4)."""
     if _compiling():
         return torch.ops.flint.rms_norm(x, weight, eps)
     return _norm(x, None, weight, eps)[0]
@@ -142,7 +143,8 @@ def no_rope_table(device) -> Tensor:
 def _stage(m, nkv, dev, q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache,
            slot_mapping, k_scale, v_scale) -> tuple[str, dict, plans.Stage]:  # fmt: skip
     """Checks the per-head stage's arguments (flint_qkv_fused, qk_norm_rope_cache): (cache dtype, the kernel
-    arguments that follow from the tensors' metadata, the plan's Stage)."""
+    arguments that follow from the tensors' metadata, the plan's Stage). Both q/k norm weights None: no q/k
+    norm (the kernels built with qk_norm false)."""
     max_pos, rope = 1, cos_sin_cache is not None
     if rope:
         s = cos_sin_cache.shape if isinstance(cos_sin_cache, Tensor) else ()
@@ -164,8 +166,12 @@ def _stage(m, nkv, dev, q_norm_weight, k_norm_weight, cos_sin_cache, positions, 
                              "tensors)")  # fmt: skip
         checks.scalar("k_scale", k_scale, dev)
         checks.scalar("v_scale", v_scale, dev)
-    checks.tensor("q_norm_weight", q_norm_weight, BF16, HEAD_SHAPE, dev)
-    checks.tensor("k_norm_weight", k_norm_weight, BF16, HEAD_SHAPE, dev)
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight must both be tensors (q/k norm) or both None "
+                         "(no q/k norm)")  # fmt: skip
+    if q_norm_weight is not None:
+        checks.tensor("q_norm_weight", q_norm_weight, BF16, HEAD_SHAPE, dev)
+        checks.tensor("k_norm_weight", k_norm_weight, BF16, HEAD_SHAPE, dev)
     checks.tensor("positions", positions, I64, checks.tokens(m), dev)
     checks.tensor("slot_mapping", slot_mapping, I64, s, dev)
     if kv != "bf16":  # the values last: reading them is the first CUDA call
@@ -178,6 +184,8 @@ def _stage(m, nkv, dev, q_norm_weight, k_norm_weight, cos_sin_cache, positions, 
         consts["cos_sin_cache"] = _no_rope(dev).data_ptr()
     if kv == "bf16":
         consts.update(k_scale=0, v_scale=0)  # (a BF16-cache kernel reads no scale)
+    if q_norm_weight is None:
+        consts.update(q_norm_weight=0, k_norm_weight=0)  # (a kernel without q/k norm reads none)
     stage = plans.Stage(dev, geometry, {v_cache.data_ptr() - k_cache.data_ptr()}, kv != "bf16", rope,
                         max_pos, nb * bs, rope and max_pos == 1)  # fmt: skip
     return kv, consts, stage
@@ -197,26 +205,28 @@ _EAGER, _GRAPH = ("prologue", "separate"), ("separate", "prologue")
 _PREFER = {None: _EAGER, "separate": ("separate",), "prologue": ("prologue",)}  # by launch_options' design
 
 
-def _qkv_specs(m, fmt, rope, nq, nkv, kv, prefer) -> list[dict]:
+def _qkv_specs(m, fmt, rope, nq, nkv, kv, prefer, hidden, qk_norm) -> list[dict]:
     """The qkv specs that serve a call, in order of preference: the designs of `prefer`, each with the token
     tiles that hold m, the smallest first."""
-    return [abi.qkv_spec(fmt, rope, nq, nkv, kv, d, t) for d in prefer for t in abi.m_tiles(m)]
+    return [abi.qkv_spec(fmt, rope, nq, nkv, kv, d, t, hidden, qk_norm) for d in prefer
+            for t in abi.m_tiles(m)]  # fmt: skip
 
 
 def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
     x, residual, norm_weight, weight, weight_scale, global_scale, *head = args
     m, dev = checks.activations(x)
-    fmt, n = checks.weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM)
+    hid, qkn = x.shape[1], head[0] is not None  # (head[0]: q_norm_weight)
+    fmt, n = checks.weight(weight, weight_scale, global_scale, dev, (nq + 2 * nkv) * HEAD_DIM, hid)
     has_res = residual is not None
     if has_res:
-        checks.tensor("residual", residual, BF16, ROWS[m], dev)
-    checks.tensor("norm_weight", norm_weight, BF16, HIDDEN_SHAPE, dev)
+        checks.tensor("residual", residual, BF16, checks.rows(m, hid), dev)
+    checks.tensor("norm_weight", norm_weight, BF16, checks.hidden(hid), dev)
     kv, consts, stage = _stage(m, nkv, dev, *head)
     if fmt == "bf16":
         consts.update(weight_scale=0, global_scale=0)  # (a BF16 kernel reads no scale)
     symbols, tile = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}, abi.m_tiles(m)[0]
-    k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, tile),
-                  lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, prefer))  # fmt: skip
+    k = _launcher(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, prefer, tile, hid, qkn),
+                  lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, prefer, hid, qkn))  # fmt: skip
     p = plans.Plan(dev, (), out=_out(x, dev, m, nq * HEAD_DIM), stage=stage, names=names)
     if k.entry.spec["norm"] == "prologue":  # one kernel, the input norm in its prologue
         c = dict(consts, has_residual=int(has_res), **({} if has_res else {"residual": 0}))
@@ -226,25 +236,28 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
         p.xn = abi.xn_numel(m, strides)
         c = dict(consts, residual=0, residual_out=0, norm_weight=0, has_residual=0, eps=0.0)
         nc = _xn_layout(strides, abi.xn_pairs(k.entry.spec)) | ({} if has_res else {"residual": 0})
-        norm = (_norm_launcher(dev, has_res), symbols, nc, _also(renames, weight="norm_weight"))
+        norm = (_norm_launcher(dev, has_res, hid), symbols, nc, _also(renames, weight="norm_weight"))
         launches = [norm, (k, symbols, c, _also(renames, x="xn"))]
     plans.bind(p, names + _QKV_VALUES, launches)
     if prefer is _EAGER:  # a capture would run the other design (loaded at the first capture)
-        graph = runtime.entry(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, _GRAPH, tile),
-                              lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, _GRAPH))  # fmt: skip
+        graph = runtime.entry(dev, "qkv", (fmt, stage.rope, nq, nkv, kv, _GRAPH, tile, hid, qkn),
+                              lambda: _qkv_specs(m, fmt, stage.rope, nq, nkv, kv, _GRAPH, hid,
+                                                 qkn))  # fmt: skip
         p.graph = graph is not k.entry
     return p
 
 
 def flint_qkv_fused(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                    weight_scale: Tensor | None, global_scale: Tensor | None, q_norm_weight: Tensor,
-                    k_norm_weight: Tensor, qk_eps: float, cos_sin_cache: Tensor | None, positions: Tensor,
-                    k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor, num_q_heads: int,
-                    num_kv_heads: int, *, k_scale: Tensor | None = None,
+                    weight_scale: Tensor | None, global_scale: Tensor | None,
+                    q_norm_weight: Tensor | None, k_norm_weight: Tensor | None, qk_eps: float,
+                    cos_sin_cache: Tensor | None, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    slot_mapping: Tensor, num_q_heads: int, num_kv_heads: int, *,
+                    k_scale: Tensor | None = None,
                     v_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Residual-add RMSNorm + qkv GEMV + q/k RMSNorm, NeoX RoPE, paged KV-cache write, 1 <= M <= MAX_M tokens
-    (docs/api.md §3, numerics: docs/numerics.md). Returns (q bf16 [M, num_q_heads * 128], residual_out bf16
-    [M, 2048]; x itself when residual is None). An FP8 cache needs k_scale and v_scale. A position outside
+    of hidden size K = x.shape[1] (docs/api.md §3, numerics: docs/numerics.md); q_norm_weight and
+    k_norm_weight None: no q/k norm (Llama). Returns (q bf16 [M, num_q_heads * 128], residual_out bf16
+    [M, K]; x itself when residual is None). An FP8 cache needs k_scale and v_scale. A position outside
     cos_sin_cache gives NaN q/k for that token, a slot outside the cache is not written (docs/api.md §9:
     checked mode raises). PDL (docs/api.md §14): the weights, their scales and the norm weights may be read
     before the kernel waits for its predecessor, which must not write them."""
@@ -260,7 +273,8 @@ def flint_qkv_fused(x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps
     args = (x, residual, norm_weight, weight, weight_scale, global_scale, q_norm_weight, k_norm_weight,
             cos_sin_cache, positions, k_cache, v_cache, slot_mapping, k_scale, v_scale)  # _QKV  # fmt: skip
     key = ("qkv", _rows(x), nq, nkv, residual is None, weight_scale is None, global_scale is None,
-           cos_sin_cache is None, k_scale is None, v_scale is None, _PREFER[opts.design])  # fmt: skip
+           q_norm_weight is None, k_norm_weight is None, cos_sin_cache is None, k_scale is None,
+           v_scale is None, _PREFER[opts.design])  # fmt: skip
     p, ts = _plan(key, _QKV, args, _qkv_plan, args, nq, nkv, key[-1])
     if p.graph and torch.cuda.is_current_stream_capturing():  # the design for CUDA graphs
         key = (*key[:-1], _GRAPH)
@@ -290,9 +304,10 @@ _GEMV = ("x", "weight", "weight_scale", "global_scale")  # the tensors of a gemv
 def _gemv_plan(names, renames, args) -> plans.Plan:
     x, weight, weight_scale, global_scale = args
     m, dev = checks.activations(x)
-    fmt, n = checks.weight(weight, weight_scale, global_scale, dev, None)
+    hid = x.shape[1]
+    fmt, n = checks.weight(weight, weight_scale, global_scale, dev, None, hid)
     tiles = abi.m_tiles(m)
-    k = _launcher(dev, "gemv", (fmt, tiles[0]), lambda: [abi.gemv_spec(fmt, t) for t in tiles])
+    k = _launcher(dev, "gemv", (fmt, tiles[0], hid), lambda: [abi.gemv_spec(fmt, t, hid) for t in tiles])
     p = plans.Plan(dev, (), out=_out(x, dev, m, n), names=names)
     consts = dict(m=m, n=n, **({"weight_scale": 0, "global_scale": 0} if fmt == "bf16" else {}))
     rb, c = n // abi.ROWS_PER_CTA, abi.STREAM_CLUSTER_GEMV  # (ROW_BLOCKS_4: to the stream's cluster)
@@ -303,10 +318,10 @@ def _gemv_plan(names, renames, args) -> plans.Plan:
 
 def gemv(x: Tensor, weight: Tensor, weight_scale: Tensor | None = None,
          global_scale: Tensor | None = None) -> Tensor:  # fmt: skip
-    """y = bf16(x · Wᵀ) for x bf16 [M, 2048] (1 <= M <= MAX_M) and W BF16 [N, 2048] or NVFP4 (uint8 [N, 1024],
-    e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, 128], fp32 global scale of one element), N a multiple
-    of 16 up to loader.abi.MAX_GEMV_ROWS. Bit-identical to the fused kernel's qkv values (docs/numerics.md
-    §2). Returns a new bf16 [M, N] tensor (docs/api.md §5)."""
+    """y = bf16(x · Wᵀ) for x bf16 [M, K] (1 <= M <= MAX_M, K a hidden size of the bundle) and W BF16 [N, K]
+    or NVFP4 (uint8 [N, K / 2], e4m3/uint8 128x4-swizzled scales [ceil(N/128)*128, K / 16], fp32 global
+    scale of one element), N a multiple of 16 up to loader.abi.max_gemv_rows(K). Bit-identical to the fused
+    kernel's qkv values (docs/numerics.md §2). Returns a new bf16 [M, N] tensor (docs/api.md §5)."""
     if _compiling():
         return torch.ops.flint.gemv(x, weight, weight_scale, global_scale)
     args = (x, weight, weight_scale, global_scale)
@@ -329,8 +344,9 @@ def _qknrc_plan(names, renames, args, nq, nkv) -> plans.Plan:
     cols, limit = (nq + 2 * nkv) * HEAD_DIM, _token_limit("qk_norm_rope_cache")
     m, dev = checks.activations(qkv, "qkv", cols, *limit)
     kv, consts, stage = _stage(m, nkv, dev, *head)
-    rope = stage.rope
-    k = _launcher(dev, "qk_norm_rope_cache", (rope, kv), lambda: abi.qk_norm_rope_cache_spec(rope, kv))
+    rope, qkn = stage.rope, head[0] is not None  # (head[0]: q_norm_weight)
+    k = _launcher(dev, "qk_norm_rope_cache", (rope, kv, qkn),
+                  lambda: abi.qk_norm_rope_cache_spec(rope, kv, qkn))  # fmt: skip
     p = plans.Plan(dev, (), out=_out(qkv, dev, m, nq * HEAD_DIM), stage=stage, names=names)
     consts.update(num_q_heads=nq, num_kv_heads=nkv)
     symbols = {"M": m, "HEADS": nq + 2 * nkv, "HEAD_BLOCKS": -(-(nq + 2 * nkv) // abi.QKNRC_HEADS),
@@ -339,14 +355,14 @@ def _qknrc_plan(names, renames, args, nq, nkv) -> plans.Plan:
     return p
 
 
-def qk_norm_rope_cache(qkv: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor, qk_eps: float,
-                       cos_sin_cache: Tensor | None, positions: Tensor, k_cache: Tensor, v_cache: Tensor,
-                       slot_mapping: Tensor, num_q_heads: int, num_kv_heads: int, *,
+def qk_norm_rope_cache(qkv: Tensor, q_norm_weight: Tensor | None, k_norm_weight: Tensor | None,
+                       qk_eps: float, cos_sin_cache: Tensor | None, positions: Tensor, k_cache: Tensor,
+                       v_cache: Tensor, slot_mapping: Tensor, num_q_heads: int, num_kv_heads: int, *,
                        k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:  # fmt: skip
     """docs/numerics.md §3-§4 on a bf16 qkv [M, (num_q_heads + 2 num_kv_heads) * 128]: per-head q/k RMSNorm,
-    NeoX RoPE (cos_sin_cache None = none), k and v written to the paged (BF16 or FP8) cache at slot_mapping
-    (same rules and memory safety as flint_qkv_fused). Returns q bf16 [M, num_q_heads * 128]
-    (docs/api.md §6)."""
+    NeoX RoPE (cos_sin_cache None = none; both norm weights None = no q/k norm), k and v written to the
+    paged (BF16 or FP8) cache at slot_mapping (same rules and memory safety as flint_qkv_fused). Returns q
+    bf16 [M, num_q_heads * 128] (docs/api.md §6)."""
     if _compiling():
         return torch.ops.flint.qk_norm_rope_cache(
             qkv, q_norm_weight, k_norm_weight, qk_eps, cos_sin_cache, positions, k_cache, v_cache,
@@ -356,7 +372,8 @@ def qk_norm_rope_cache(qkv: Tensor, q_norm_weight: Tensor, k_norm_weight: Tensor
     qe, opts = checks.eps("qk_eps", qk_eps), _options()
     args = (qkv, q_norm_weight, k_norm_weight, cos_sin_cache, positions, k_cache, v_cache, slot_mapping,
             k_scale, v_scale)  # _QKNRC  # fmt: skip
-    key = ("qknrc", _rows(qkv), nq, nkv, cos_sin_cache is None, k_scale is None, v_scale is None)
+    key = ("qknrc", _rows(qkv), nq, nkv, q_norm_weight is None, k_norm_weight is None, cos_sin_cache is None,
+           k_scale is None, v_scale is None)  # fmt: skip
     p, ts = _plan(key, _QKNRC, args, _qknrc_plan, args, nq, nkv)
     P = tuple(map(_data_ptr, ts))
     if any(map(and_, P, p.masks)):

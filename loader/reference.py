@@ -42,7 +42,8 @@ def qk_norm_rope_ref(
     round_qkv: bool = True,
     dtype: torch.dtype = torch.float64,
 ):
-    """Per-head q/k RMSNorm (docs/numerics.md §3) + NeoX RoPE. Returns (q, k, v) in ``dtype``.
+    """Per-head q/k RMSNorm (docs/numerics.md §3; norm weights None: none) + NeoX RoPE. Returns (q, k, v) in
+    ``dtype``.
 
     q is [M, nq, 128], k and v are [M, nkv, 128]. When ``round_qkv`` the input is first rounded
     to bf16. ``cos_sin_cache`` None skips the rotation. v is the raw qkv v heads. No final rounding.
@@ -62,8 +63,9 @@ def qk_norm_rope_ref(
         ms = h.pow(2).mean(dim=-1, keepdim=True)
         return h * torch.rsqrt(ms + qk_eps) * w.to(dtype)
 
-    q = _norm(q, q_norm_weight)
-    k = _norm(k, k_norm_weight)
+    if q_norm_weight is not None:  # (None: no q/k norm, Llama's numerics)
+        q = _norm(q, q_norm_weight)
+        k = _norm(k, k_norm_weight)
     if cos_sin_cache is not None:
         table = cos_sin_cache[positions.long()].to(dtype)  # [M, 128]
         cos = table[:, None, :HALF_DIM]
@@ -95,7 +97,7 @@ def qkv_fused_ref(
 ) -> dict:
     """Whole chain: norm (bf16, exact) -> GEMV in ``dtype`` -> bf16 qkv -> q/k norm + RoPE.
 
-    ``w_dense`` is the (dequantized) [N, 2048] weight. Returns dict(q, k, v, xn, residual_out);
+    ``w_dense`` is the (dequantized) [N, K] weight. Returns dict(q, k, v, xn, residual_out);
     q, k, v are in ``dtype`` and not rounded.
     """
     xn, residual_out = rms_norm_ref(x, residual, norm_weight, eps)
