@@ -70,3 +70,16 @@ def gpu_bundle():
 
     path = os.environ.get("FLINT_AOT_BUNDLE") or str(ROOT / "build" / "flint")
     return loader.load_bundle(path)
+
+
+@pytest.fixture
+def no_local_constants(monkeypatch):
+    """Hypothesis mixes constants of every local module loaded (in a full run: every test module) into its
+    integer draws, which skews the strategies' small draws (fh._rare, M, the head counts) by which modules the
+    run imports: without them, the examples drawn are those of the strategies alone, in any run."""
+    from hypothesis.internal.conjecture import providers
+
+    monkeypatch.setattr(providers, "_get_local_constants", providers.Constants)
+    providers.CONSTANTS_CACHE.cache.clear()
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()

@@ -105,7 +105,7 @@ def test_cli_compile_failure_names_the_specialization(tmp_path, monkeypatch):
     real_command = builder._compile_command
 
     def failing(s, work):
-        if s.spec == {"residual": True}:  # this specialization's compile exits with an error
+        if s.spec == {"residual": True, "hidden": 2048}:  # this specialization's compile exits with an error
             return [sys.executable, "-c", "import sys; sys.exit('boom: unsupported')"]
         return real_command(s, work)
 

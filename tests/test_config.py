@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import yaml
 
@@ -50,7 +52,9 @@ def test_expansion_of_small_matrix():
                                          for t in ("", "_m16", "_m32", "_m64"))]  # fmt: skip
     assert [s.name for s in specs] == names
     assert specs[2].spec == {"weight_format": "bf16", "rope": True, "heads": [16, 2],
-                             "kv_cache_dtype": "bf16", "norm": "separate", "max_m": 8}  # fmt: skip
+                             "kv_cache_dtype": "bf16", "norm": "separate", "max_m": 8, "hidden": 2048,
+                             "qk_norm": True}  # fmt: skip
+    assert specs[0].spec == {"residual": True, "hidden": 2048}
     assert all(s.arch == "sm_90a" for s in specs)
 
 
@@ -80,7 +84,8 @@ def test_diagnostics_stay_on_the_build_side():
     cfg = load_config("configs/debug_slow_producer.yaml")
     assert cfg["diagnostics"] == {"norm_spin_cycles": 2000000}
     norms = [s for s in expand(cfg) if s.kind == "norm"]
-    assert [s.name for s in norms] == ["norm_res1", "norm_res0"] and norms[0].spec == {"residual": True}
+    assert [s.name for s in norms] == ["norm_res1", "norm_res0"]
+    assert norms[0].spec == {"residual": True, "hidden": 2048}
     assert all(s.diagnostics == (("norm_spin_cycles", 2000000),) for s in expand(cfg))
     timeline = load_config("configs/timeline.yaml")
     assert timeline["diagnostics"] == {"timeline": True}
@@ -104,7 +109,19 @@ def test_diagnostics_stay_on_the_build_side():
 
 
 def test_valid_config_roundtrip():
-    assert validate(GOOD) == GOOD
+    """validate() normalizes: heads pairs become [q, kv, hidden] triples (one per hidden size of the config),
+    qkv gets its qk_norm list (default [true]); `hidden` is only in the output when the raw config has it.
+    A normalized config validates to itself."""
+    import copy
+
+    want = copy.deepcopy(GOOD)
+    want["qkv"]["heads"] = [[32, 4, 2048], [16, 8, 2048]]
+    want["qkv"] = {k: want["qkv"][k] for k in ("weight_format", "rope", "heads")} | {"qk_norm": [True]} | {
+        k: want["qkv"][k] for k in ("kv_cache_dtype", "norm", "max_m")}
+    got = validate(GOOD)
+    assert got == want and list(got["qkv"]) == list(want["qkv"]) and "hidden" not in got
+    assert validate(got) == got
+    assert validate({**GOOD, "hidden": [2048]}) == {**want, "hidden": [2048]}
 
 
 @pytest.mark.parametrize(
@@ -267,7 +284,8 @@ def test_the_unfused_ops_token_limit_is_named_by_the_config():
            "qk_norm_rope_cache": {"rope": [True], "max_tokens": abi.TOKENS_LIMIT}}  # fmt: skip
     cfg = validate(raw)
     assert cfg["norm"]["max_tokens"] == 4096 and cfg["qk_norm_rope_cache"]["max_tokens"] == abi.TOKENS_LIMIT
-    assert [s.spec for s in expand(cfg) if s.kind == "norm"] == [{"residual": True}]  # (not a spec key)
+    norms = [s.spec for s in expand(cfg) if s.kind == "norm"]
+    assert norms == [{"residual": True, "hidden": 2048}]  # (max_tokens: not a spec key)
     b = Bundle(ROOT, Manifest("g", "4.8.1", cfg, []))
     assert b.max_tokens("norm") == 4096 and b.max_tokens("qk_norm_rope_cache") == abi.TOKENS_LIMIT
     assert Bundle(ROOT, Manifest("g", "4.8.1", validate(GOOD), [])).max_tokens("norm") == abi.MAX_TOKENS
@@ -276,3 +294,190 @@ def test_the_unfused_ops_token_limit_is_named_by_the_config():
         _err({**raw, "norm": {"residual": [True], "max_tokens": bad}}, "norm.max_tokens", "64..")
         _err({**raw, "qk_norm_rope_cache": {"rope": [True], "max_tokens": bad}},
              "qk_norm_rope_cache.max_tokens", "64..")  # fmt: skip
+
+
+# ----------------------------------------------------------------------- the hidden-size and q/k norm axes
+NORMS = {"residual": [True, False]}
+QKV = {"weight_format": ["bf16"], "rope": [True], "heads": [[16, 8]], "max_m": [8, 64]}
+
+
+def _combos(specs):
+    """The (num_q_heads, num_kv_heads, hidden) of a list of qkv specializations, in order, once each."""
+    return list(dict.fromkeys((*s.spec["heads"], s.spec["hidden"]) for s in specs if s.kind == "qkv"))
+
+
+def test_flint_yaml_names_are_those_before_the_axes():
+    """configs/flint.yaml (hidden 2048, q/k norm on: the axes' defaults) expands to the 540 specializations of
+    the bundles before the hidden-size and q/k-norm axes, in the same order and with the same names: the
+    digest is of the labels its expansion gave at the commit before the axes (flint_aot/config.py and
+    loader/abi.py of that commit); every spec now names the defaults."""
+    import hashlib
+
+    specs = expand(load_config("configs/flint.yaml"))
+    labels = [s.label for s in specs]
+    assert len(labels) == 540 and len(set(labels)) == 540
+    assert [sum(s.arch == a for s in specs) for a in ("sm_90a", "sm_100a")] == [270, 270]
+    assert hashlib.sha256("\n".join(labels).encode()).hexdigest() == (
+        "ad9aeccbd9af5a071e2c108c857e8c893f15a8d36ad256f1fa93357f4c2209f4")  # fmt: skip
+    assert not [n for n in labels if re.search(r"_k\d|_qkn", n)]
+    for s in specs:
+        assert s.spec.get("hidden", 2048) == 2048 and s.spec.get("qk_norm", True) is True, s.label
+        assert ("hidden" in s.spec) == (s.kind in ("norm", "qkv", "gemv")), s.label
+        assert ("qk_norm" in s.spec) == (s.kind in ("qkv", "qk_norm_rope_cache")), s.label
+
+
+def test_hidden_pairs_expand_at_every_hidden_size_of_the_config():
+    """hidden: [1024] with [q, kv] pairs: every norm, qkv and gemv spec at hidden 1024, named _k1024 (after
+    the heads, res{0,1} and the format); the per-head op has no hidden size. The normalized config holds the
+    heads as [q, kv, 1024] and `hidden` as given, and validates to itself."""
+    raw = {"archs": ["sm_90a"], "hidden": [1024], "norm": NORMS, "qkv": QKV,
+           "gemv": {"weight_format": ["nvfp4"], "max_m": [16, 64]},
+           "qk_norm_rope_cache": {"rope": [True]}}  # fmt: skip
+    cfg = validate(raw)
+    assert cfg["hidden"] == [1024] and cfg["qkv"]["heads"] == [[16, 8, 1024]] and validate(cfg) == cfg
+    specs = expand(cfg)
+    assert [s.name for s in specs] == ["norm_res1_k1024", "norm_res0_k1024", "qkv_bf16_rope1_h16x8_k1024",
+                                       "qkv_bf16_rope1_h16x8_k1024_m64", "gemv_nvfp4_k1024_m16",
+                                       "gemv_nvfp4_k1024_m64", "qk_norm_rope_cache_rope1"]  # fmt: skip
+    assert all(s.spec["hidden"] == 1024 for s in specs if s.kind != "qk_norm_rope_cache")
+    assert specs[0].spec == {"residual": True, "hidden": 1024}
+    assert specs[4].spec == {"weight_format": "nvfp4", "max_m": 16, "hidden": 1024}
+    assert "hidden" not in specs[-1].spec
+    both = expand(validate({**raw, "hidden": [1024, 2048]}))  # pairs: at each hidden size
+    assert _combos(both) == [(16, 8, 1024), (16, 8, 2048)]
+    assert [s.name for s in both if s.kind == "norm"] == ["norm_res1_k1024", "norm_res0_k1024", "norm_res1",
+                                                          "norm_res0"]  # fmt: skip
+    assert [s.name for s in both if s.kind == "gemv"] == ["gemv_nvfp4_k1024_m16", "gemv_nvfp4_k1024_m64",
+                                                          "gemv_nvfp4_m16", "gemv_nvfp4_m64"]  # fmt: skip
+
+
+def test_hidden_triples_restrict_the_heads_to_one_hidden_size():
+    """[q, kv, hidden] items are built at that hidden size only (no cross product with `hidden`), pairs at
+    each; the norm and gemv at each hidden size."""
+    raw = {"archs": ["sm_90a"], "hidden": [1024, 2048], "norm": NORMS,
+           "qkv": {**QKV, "heads": [[16, 8, 1024], [32, 4, 2048]]},
+           "gemv": {"weight_format": ["bf16"]}}  # fmt: skip
+    cfg = validate(raw)
+    assert cfg["qkv"]["heads"] == [[16, 8, 1024], [32, 4, 2048]] and validate(cfg) == cfg
+    specs = expand(cfg)
+    assert _combos(specs) == [(16, 8, 1024), (32, 4, 2048)]
+    assert [s.name for s in specs if s.kind == "qkv"] == ["qkv_bf16_rope1_h16x8_k1024",
+                                                          "qkv_bf16_rope1_h16x8_k1024_m64",
+                                                          "qkv_bf16_rope1_h32x4",
+                                                          "qkv_bf16_rope1_h32x4_m64"]  # fmt: skip
+    assert sorted({s.spec["hidden"] for s in specs if s.kind in ("norm", "gemv")}) == [1024, 2048]
+    mixed = validate({**raw, "qkv": {**QKV, "heads": [[16, 8], [32, 4, 2048]]}})
+    assert mixed["qkv"]["heads"] == [[16, 8, 1024], [16, 8, 2048], [32, 4, 2048]]
+    assert _combos(expand(mixed)) == [(16, 8, 1024), (16, 8, 2048), (32, 4, 2048)]
+    pairs = expand(validate({**raw, "qkv": {**QKV, "heads": [[16, 8], [32, 4]]}}))  # the cross product
+    assert _combos(pairs) == [(16, 8, 1024), (16, 8, 2048), (32, 4, 1024), (32, 4, 2048)]
+    assert len(pairs) == 4 + 2 * 2 * 2 + 4 * 2  # norm 2 x 2, qkv 2 heads x 2 hidden x 2 tiles, gemv 4 x 2
+
+
+@pytest.mark.parametrize(
+    "hidden, heads, needles",
+    [
+        ([1024], [[16, 8, 2048]], ["qkv.heads[0][2]", "got 2048", "a hidden size of `hidden` (1024)"]),
+        (None, [[16, 8, 1024]], ["qkv.heads[0][2]", "got 1024", "(2048)"]),
+        ([1024, 2048], [[16, 8, 1536]], ["qkv.heads[0][2]", "(1024, 2048)"]),
+        ([1024], [[16, 8, True]], ["qkv.heads[0][2]", "got True"]),
+        ([1024], [[16, 8, 1024, 1]], ["qkv.heads[0]", "pairs", "[num_q_heads, num_kv_heads, hidden]"]),
+        ([1024, 2048], [[16, 8], [16, 8, 1024]], ["qkv.heads[1]", "[16, 8] at hidden 1024 is given twice"]),
+        ([1024], [[16, 8, 1024], [16, 8, 1024]], ["qkv.heads[1]", "once"]),
+        ([1024], [[16, 8], [16, 8, 1024]], ["qkv.heads[1]", "given twice"]),
+    ],
+)  # fmt: skip
+def test_heads_and_their_hidden_sizes_are_refused_by_name(hidden, heads, needles):
+    raw = {"archs": ["sm_90a"], "norm": NORMS, "qkv": {**QKV, "heads": heads}}
+    if hidden is not None:
+        raw["hidden"] = hidden
+    _err(raw, *needles)
+
+
+def test_hidden_sizes_a_kind_cannot_build_are_refused():
+    """hidden sizes: the norm's multiples of 512 in 512..8192 (a norm-only config of 4096 or 8192 builds);
+    qkv and gemv 1024..2048, larger ones refused naming the weight stream of several waves they would need
+    (qkv by qkv.heads, gemv by hidden); the prologue design 2048 only; not a bool, a string or a float."""
+    base = {"archs": ["sm_90a"], "norm": NORMS}
+    for k in (4096, 8192, 512):
+        assert [s.name for s in expand(validate({**base, "hidden": [k]}))] == [f"norm_res1_k{k}",
+                                                                              f"norm_res0_k{k}"]  # fmt: skip
+    for k in (2560, 4096, 5120):
+        msg = _err({**base, "hidden": [k], "qkv": QKV}, "qkv.heads", f"got {k}", "1024..2048 for qkv",
+                   "several waves")  # fmt: skip
+        assert "\n" not in msg
+        _err({**base, "hidden": [k], "gemv": {"weight_format": ["bf16"]}}, f"hidden: got {k}", "1024..2048",
+             "(gemv)", "several waves")  # fmt: skip
+    _err({**base, "hidden": [1024, 8192], "qkv": {**QKV, "heads": [[16, 8]]}}, "qkv.heads", "got 8192",
+         "1024..2048")  # fmt: skip
+    ok = validate({**base, "hidden": [1024, 8192], "qkv": {**QKV, "heads": [[16, 8, 1024]]}})  # (qkv: 1024)
+    assert [s.name for s in expand(ok) if s.kind == "norm"] == ["norm_res1_k1024", "norm_res0_k1024",
+                                                                "norm_res1_k8192",
+                                                                "norm_res0_k8192"]  # fmt: skip
+    _err({**base, "hidden": [512], "gemv": {"weight_format": ["bf16"]}}, "hidden: got 512", "1024..2048")
+    for bad in (1000, 0, 256, 8704, -512):
+        _err({**base, "hidden": [2048, bad]}, "hidden[1]", f"got {bad}", "multiple of 512 in 512..8192")
+    for bad in (True, "2048", 2048.0, None, [2048]):
+        _err({**base, "hidden": [bad]}, "hidden[0]", "an integer")
+    for bad in ([], 2048, "2048", {"k": 2048}):
+        _err({**base, "hidden": bad}, "hidden: got", "non-empty list")
+    _err({**base, "hidden": [1024, 1024]}, "hidden[1]", "once")
+    _err({**base, "hidden": [1024], "qkv": {**QKV, "norm": ["prologue"]}}, "qkv.heads", "got 1024",
+         "2048 for the prologue design (use norm: separate)")  # fmt: skip
+    _err({**base, "hidden": [1536], "qkv": {**QKV, "norm": ["prologue"]}}, "qkv.heads", "got 1536",
+         "prologue design")  # fmt: skip
+    _err({**base, "hidden": [1024, 2048], "qkv": {**QKV, "norm": ["separate", "prologue"]}}, "prologue")
+    pro = validate({**base, "hidden": [1024, 2048], "qkv": {**QKV, "heads": [[16, 8, 2048]],
+                                                             "norm": ["separate", "prologue"]}})  # fmt: skip
+    assert {s.spec["norm"] for s in expand(pro) if s.kind == "qkv"} == {"separate", "prologue"}
+
+
+def test_qk_norm_is_an_axis_of_qkv_and_the_per_head_op():
+    """qkv.qk_norm: [true, false] doubles the qkv specs, those without q/k norm named _qkn0 after rope{0,1};
+    qk_norm_rope_cache.qk_norm likewise; the default [true] is in the normalized config; not a bool:
+    refused."""
+    base = {"archs": ["sm_90a"], "norm": NORMS}
+    one = expand(validate({**base, "qkv": QKV}))
+    cfg = validate({**base, "qkv": {**QKV, "qk_norm": [True, False]}})
+    assert cfg["qkv"]["qk_norm"] == [True, False] and validate(cfg) == cfg
+    two = [s for s in expand(cfg) if s.kind == "qkv"]
+    assert len(two) == 2 * sum(s.kind == "qkv" for s in one) == 4
+    assert [s.name for s in two] == ["qkv_bf16_rope1_h16x8", "qkv_bf16_rope1_h16x8_m64",
+                                     "qkv_bf16_rope1_qkn0_h16x8",
+                                     "qkv_bf16_rope1_qkn0_h16x8_m64"]  # fmt: skip
+    assert [s.spec["qk_norm"] for s in two] == [True, True, False, False]
+    assert validate({**base, "qkv": QKV})["qkv"]["qk_norm"] == [True]
+    off = validate({**base, "hidden": [1024], "qkv": {**QKV, "qk_norm": [False],
+                                                      "kv_cache_dtype": ["fp8_e4m3"]}})  # fmt: skip
+    names = [s.name for s in expand(off) if s.kind == "qkv"]
+    assert names == ["qkv_bf16_rope1_qkn0_h16x8_k1024_kvfp8", "qkv_bf16_rope1_qkn0_h16x8_k1024_kvfp8_m64"]
+    qk = validate({"archs": ["sm_90a"], "qk_norm_rope_cache": {"rope": [True, False], "qk_norm": [False]}})
+    assert qk["qk_norm_rope_cache"] == {"rope": [True, False], "qk_norm": [False], "kv_cache_dtype": ["bf16"]}
+    assert [(s.name, s.spec) for s in expand(qk)] == [
+        ("qk_norm_rope_cache_rope1_qkn0", {"rope": True, "kv_cache_dtype": "bf16", "qk_norm": False}),
+        ("qk_norm_rope_cache_rope0_qkn0", {"rope": False, "kv_cache_dtype": "bf16", "qk_norm": False})]
+    dflt = validate({"archs": ["sm_90a"], "qk_norm_rope_cache": {"rope": [True]}})
+    assert dflt["qk_norm_rope_cache"]["qk_norm"] == [True]
+    assert [s.name for s in expand(dflt)] == ["qk_norm_rope_cache_rope1"]
+    for bad in ("no", 0, None):
+        _err({**base, "qkv": {**QKV, "qk_norm": [bad]}}, "qkv.qk_norm[0]", "true | false")
+        _err({"archs": ["sm_90a"], "qk_norm_rope_cache": {"rope": [True], "qk_norm": [bad]}},
+             "qk_norm_rope_cache.qk_norm[0]", "true | false")  # fmt: skip
+    _err({**base, "qkv": {**QKV, "qk_norm": [True, True]}}, "qkv.qk_norm[1]", "once")
+    _err({**base, "qkv": {**QKV, "qk_norm": []}}, "qkv.qk_norm", "non-empty list")
+
+
+def test_the_token_limit_follows_the_largest_hidden_size():
+    """max_tokens is bounded by the norm kernel's 32-bit offsets at the config's largest hidden size
+    (loader.abi.tokens_limit): a limit that hidden 2048 holds is refused beside hidden 8192."""
+    from loader import abi
+
+    raw = {"archs": ["sm_90a"], "norm": {"residual": [True], "max_tokens": 300000}}
+    assert abi.tokens_limit(8192) < 300000 <= abi.tokens_limit(2048)
+    assert validate(raw)["norm"]["max_tokens"] == 300000
+    _err({**raw, "hidden": [2048, 8192]}, "norm.max_tokens", f"64..{abi.tokens_limit(8192)}")
+    at = {**raw, "hidden": [8192], "norm": {"residual": [True], "max_tokens": abi.tokens_limit(8192)}}
+    assert validate(at)["norm"]["max_tokens"] == abi.tokens_limit(8192)
+    qk = {"archs": ["sm_90a"], "hidden": [8192], "norm": {"residual": [True]},
+          "qk_norm_rope_cache": {"rope": [True], "max_tokens": abi.tokens_limit(8192) + 1}}  # fmt: skip
+    _err(qk, "qk_norm_rope_cache.max_tokens", f"64..{abi.tokens_limit(8192)}")

@@ -30,17 +30,23 @@ def _phase_groups(offset, row_elems, step):
 
 @pytest.mark.parametrize("fp4", [False, True], ids=["bf16", "nvfp4"])
 @pytest.mark.parametrize("layout", ["tile8", "stream"])
+@pytest.mark.parametrize("k", [1024, 1536, 2048])
 @needs_dsl
-def test_x_fragment_reads_are_conflict_free(fp4, layout):
+def test_x_fragment_reads_are_conflict_free(fp4, layout, k):
+    """At every hidden size the qkv and gemv kernels build (the pads keep their bank offsets: k / 4 * 2
+    bytes is a multiple of 128), over all of a quarter's MMA steps (16 at 2048, 8 at 1024)."""
     from flint_aot.kernels import fp4 as f4
     from flint_aot.kernels import mma
 
-    row = mma.smem_row(fp4) if layout == "tile8" else abi.stream_row("nvfp4" if fp4 else "bf16")
+    fmt = "nvfp4" if fp4 else "bf16"
+    row = mma.smem_row(fp4, k) if layout == "tile8" else abi.stream_row(fmt, k)
+    assert row == (abi.tile8_row(fmt, k) if layout == "tile8" else k // 4 + abi.x_row_pad(fmt))
     offset = f4.fp4_x_k if fp4 else mma.bf16_x_k
-    steps = f4.FP4_WORDS if fp4 else mma.NB
+    steps = mma.steps(k)
+    assert steps == k // 128 and (not fp4 or steps == 4 * f4.fp4_chunks(k))
     for step in range(steps):
         for g0, groups in _phase_groups(offset, row, step).items():
-            assert len(set(groups)) == 8, (layout, "step", step, "lanes of g", g0, g0 + 1, groups)
+            assert len(set(groups)) == 8, (layout, k, "step", step, "lanes of g", g0, g0 + 1, groups)
 
 
 def test_the_rule_catches_the_unswapped_nvfp4_order():
@@ -53,14 +59,18 @@ def test_the_rule_catches_the_unswapped_nvfp4_order():
 
 
 @needs_dsl
-def test_each_lane_reads_every_word_once():
-    """The swap is a permutation of a lane's steps: over its 16 steps, lane t reads each of its 16 words once,
-    and the words are those of its chunks 4 c + t (32 k each)."""
-    from flint_aot.kernels.fp4 import FP4_WORDS, fp4_x_k
+@pytest.mark.parametrize("k", [1024, 1536, 2048])
+def test_each_lane_reads_every_word_once(k):
+    """The swap is a permutation of a lane's steps: over its steps (16 at hidden 2048, k / 128 at k), lane t
+    reads each of its words once, and the words are those of its chunks 4 c + t (32 k each)."""
+    from flint_aot.kernels.fp4 import fp4_chunks, fp4_x_k
+    from flint_aot.kernels.mma import steps
 
+    words = steps(k)
+    assert words == 4 * fp4_chunks(k) == k // 128
     for t in range(4):
-        ks = sorted(fp4_x_k(t, i) for i in range(FP4_WORDS))
-        want = sorted(128 * c + 32 * t + 8 * u for c in range(4) for u in range(4))
+        ks = sorted(fp4_x_k(t, i) for i in range(words))
+        want = sorted(128 * c + 32 * t + 8 * u for c in range(fp4_chunks(k)) for u in range(4))
         assert ks == want, t
 
 

@@ -419,16 +419,17 @@ def test_a_bundle_of_the_previous_xn_layout_is_refused_with_the_fix():
     """A bundle of schema 2 (built before the norm kernel wrote xn in the layout its qkv kernel reads), 3
     (before it wrote NVFP4's xn in the MMA pair order), 4 (before the 32-token NVFP4 kernel read it as wgmma
     tiles), 5 (before the 64-token one did) or 6 (before the BF16 ones did) would run with this loader's
-    layouts and give wrong results or fail at launch, and one of 7 marks a diagnostic build by spec keys this
-    loader no longer strips; its manifest is refused at load, and the message says how to fix it (no GPU, no
-    DSL: the manifest alone)."""
+    layouts and give wrong results or fail at launch, one of 7 marks a diagnostic build by spec keys this
+    loader no longer strips, and one of 8 has specs without the hidden size and q/k norm keys, which this
+    loader's lookups always ask for (every kernel would be "missing"); its manifest is refused at load, and
+    the message says how to fix it (no GPU, no DSL: the manifest alone)."""
     from loader.manifest import SCHEMA_VERSION, Manifest, ManifestError
 
-    assert SCHEMA_VERSION == 8
+    assert SCHEMA_VERSION == 9
     d = {"schema_version": 2, "generator": "flint-aot 0.1.0", "dsl_version": "4.8.1", "config": {},
          "kernels": []}  # fmt: skip
-    for old in (2, 3, 4, 5, 6, 7):
-        msg = rf"schema version {old}, this loader reads version 8; rebuild"
+    for old in (2, 3, 4, 5, 6, 7, 8):
+        msg = rf"schema version {old}, this loader reads version 9; rebuild"
         with pytest.raises(ManifestError, match=msg):
             Manifest.from_dict(dict(d, schema_version=old))
-    assert Manifest.from_dict(dict(d, schema_version=8)).schema_version == 8
+    assert Manifest.from_dict(dict(d, schema_version=9)).schema_version == 9

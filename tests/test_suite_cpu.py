@@ -50,15 +50,17 @@ def test_qwen3_example_torch_cases_run_without_transformers(tmp_path):
 
 
 # tools/gpu_check.sh run here with stand-ins for nvidia-smi and python3: the python3 stub records every call
-# (STUB_CALLS) and, for pytest, the two FLINT_REQUIRE_* variables it saw and its arguments (STUB_LOG); it
-# exits with STUB_RC_<STEP> for the steps verify, pytest, pack, doctor and custom (default 0). `-m venv DIR`
-# makes DIR/bin/python a copy of the stub (the wheel check's venv); `-c` prints STUB_SITE (its site dir).
+# (STUB_CALLS) and, for pytest, the two FLINT_REQUIRE_* variables it saw and its arguments (STUB_LOG), and
+# the FLINT_AOT_BUNDLE it saw (STUB_BUNDLES); it exits with STUB_RC_<STEP> for the steps verify, pytest,
+# pack, doctor and custom (default 0). `-m venv DIR` makes DIR/bin/python a copy of the stub (the wheel
+# check's venv); `-c` prints STUB_SITE (its site dir).
 _PYTHON_STUB = """#!/bin/sh
 echo "$*" >> "$STUB_CALLS"
 case " $* " in
   *" flint_aot.cli verify "*) exit "${STUB_RC_VERIFY:-0}";;
   *" pytest "*)
     echo "${FLINT_REQUIRE_DEBUG_BUNDLE-unset} ${FLINT_REQUIRE_TRANSFORMERS-unset} $*" >> "$STUB_LOG"
+    echo "${FLINT_AOT_BUNDLE-unset}" >> "$STUB_BUNDLES"
     exit "${STUB_RC_PYTEST:-0}";;
   *" flint_aot.cli pack "*) exit "${STUB_RC_PACK:-0}";;
   *" loader.doctor "*) exit "${STUB_RC_DOCTOR:-0}";;
@@ -71,7 +73,8 @@ exit 0
 
 
 def _gpu_check(tmp_path, **env):
-    """Run tools/gpu_check.sh with the stubs (env: extra variables); (result, pytest calls, all calls)."""
+    """Run tools/gpu_check.sh with the stubs (env: extra variables, None: unset; the axes check is off unless
+    asked for); (result, pytest calls, all calls)."""
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
     (stubs / "nvidia-smi").write_text("#!/bin/sh\necho 'a GPU'\n")
@@ -80,14 +83,17 @@ def _gpu_check(tmp_path, **env):
         f.chmod(0o755)
     log, calls, site = tmp_path / "pytest_calls", tmp_path / "calls", tmp_path / "site"
     site.mkdir(exist_ok=True)
-    for f in (log, calls):
+    for f in (log, calls, tmp_path / "bundles"):
         f.write_text("")
     full = {**os.environ, "PATH": f"{stubs}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-            "STUB_LOG": str(log), "STUB_CALLS": str(calls), "STUB_SITE": str(site), "WHEEL_CHECK": "0",
-            "BENCH": "", **env}  # fmt: skip
-    for name in ("FLINT_REQUIRE_DEBUG_BUNDLE", "FLINT_REQUIRE_TRANSFORMERS", "PYTEST_ARGS"):
+            "STUB_LOG": str(log), "STUB_CALLS": str(calls), "STUB_SITE": str(site),
+            "STUB_BUNDLES": str(tmp_path / "bundles"), "WHEEL_CHECK": "0", "AXES_CHECK": "0", "BENCH": "",
+            **env}  # fmt: skip
+    for name in ("FLINT_REQUIRE_DEBUG_BUNDLE", "FLINT_REQUIRE_TRANSFORMERS", "PYTEST_ARGS", "AXES_BUNDLE",
+                 "AXES_ARGS", "FLINT_AOT_BUNDLE"):  # fmt: skip
         if name not in env:
             full.pop(name, None)
+    full = {k: v for k, v in full.items() if v is not None}
     r = subprocess.run(["bash", "tools/gpu_check.sh"], cwd=ROOT, env=full, capture_output=True, text=True,
                        timeout=60)  # fmt: skip
     return r, log.read_text().splitlines(), calls.read_text().splitlines()
@@ -155,3 +161,31 @@ def test_gpu_check_fails_when_a_check_fails(tmp_path, failing, wheel):
     assert last.startswith("gpu_check: FAILED") and failing in last, last
     assert calls[-1] == "bench_a.py", calls  # the rest ran: the benchmarks come last
     assert any(" pytest " in f" {c} " for c in calls), calls
+
+
+def test_gpu_check_runs_the_axes_bundle_and_fails_without_it(tmp_path):
+    """The axes check (on by default): with the bundle of configs/axes.yaml (AXES_BUNDLE, default build/axes)
+    present, a second pytest runs tests/test_axes_gpu.py and the fuzz against it (FLINT_AOT_BUNDLE set to it,
+    the first run sees none) and its doctor runs on it; a failing doctor there is named doctor_axes. Without
+    the bundle the script fails naming axes_bundle_missing, after running the rest."""
+    axes = tmp_path / "axes"
+    axes.mkdir()
+    r, calls, ran = _gpu_check(tmp_path, AXES_CHECK=None, AXES_BUNDLE=str(axes))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(calls) == 2, calls
+    assert calls[0].split()[-1] == "tests", calls
+    assert calls[1].split()[-2:] == ["tests/test_axes_gpu.py", "tests/test_fuzz_gpu.py"], calls
+    assert all(c.split()[:2] == ["1", "1"] for c in calls), calls  # both runs require what they need
+    assert (tmp_path / "bundles").read_text().splitlines() == ["unset", str(axes)]
+    assert f"-m loader.doctor {axes}" in ran, ran
+
+    r, _, ran = _gpu_check(tmp_path, AXES_CHECK="1", AXES_BUNDLE=str(axes), STUB_RC_DOCTOR="1")
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode == 1 and last == "gpu_check: FAILED: doctor_axes", last
+
+    r, calls, ran = _gpu_check(tmp_path, AXES_CHECK=None, AXES_BUNDLE=str(tmp_path / "none"),
+                               BENCH="bench_a.py")  # fmt: skip
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode == 1 and last == "gpu_check: FAILED: axes_bundle_missing", last
+    assert f"{tmp_path / 'none'}: missing" in r.stdout
+    assert len(calls) == 1 and ran[-1] == "bench_a.py", (calls, ran)
