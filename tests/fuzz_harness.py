@@ -16,6 +16,13 @@ carved out of poisoned guard buffers (tests.helpers.Guarded), the call, and the 
 * after every example the device synchronizes without error (else every later example reports the first
   one that broke the context).
 
+The specialization axes come from the bundle (Kernels): each example draws its hidden size K mostly (90 %)
+from those the bundle has for the op's kernels (for the fused op: for its head counts and weight format), else
+one it lacks (OTHER_HIDDEN), and the q/k norm setting (both norm weights given, or both None: no q/k norm)
+mostly from those its qkv / qk_norm_rope_cache kernels have, sometimes the other one, rarely exactly one None.
+The loader takes K from x's columns (any K > 0; the other tensors' shapes must follow it) and refuses a K or
+a q/k norm setting the bundle lacks by LookupError, after every argument check; so does the model.
+
 Works on any device: the CPU tests (tests/test_fuzz_harness_cpu.py) run it against a fake loader.
 """
 
@@ -28,7 +35,7 @@ import torch
 from hypothesis import strategies as st
 
 from loader import nvfp4
-from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_GEMV_ROWS, MAX_M, MAX_TOKENS
+from loader.abi import F32_MAX, HEAD_DIM, HIDDEN, MAX_M, MAX_TOKENS, max_gemv_rows
 from loader.reference import gemv_ref, make_cos_sin_cache, qk_norm_rope_ref, qkv_fused_ref, rms_norm_ref
 from tests.helpers import (
     Guarded,
@@ -41,12 +48,15 @@ from tests.helpers import (
     extent,
     fp8_close,
     is_contiguous,
-    kv_of,
     non_overlapping,
     rel,
 )
 
-K, D = HIDDEN, HEAD_DIM
+K, D = HIDDEN, HEAD_DIM  # K: the default hidden size (an example's own: hidden_of)
+# hidden sizes an example may be drawn at that the bundle lacks (those it has are left out): multiples of 512,
+# within and beyond what the kernels can be built for (loader.abi.hidden_refusal): the loader refuses each one
+# the bundle lacks by LookupError, whatever it could be built for
+OTHER_HIDDEN = (1024, 1536, 2048, 2560, 4096)
 OPS = ("qkv", "qk_norm_rope_cache", "gemv", "rms_norm", "fused_add_rms_norm")
 FN = {"qkv": "flint_qkv_fused", "qk_norm_rope_cache": "qk_norm_rope_cache", "gemv": "gemv",
       "rms_norm": "rms_norm", "fused_add_rms_norm": "fused_add_rms_norm"}  # fmt: skip
@@ -79,7 +89,10 @@ def count_table(counts=None) -> list[str]:
 
 # ============================================================================= the bundle's kernels
 class Kernels:
-    """What kernels a bundle has for one architecture: (kind, spec) pairs."""
+    """What kernels a bundle has for one architecture: (kind, spec) pairs. A spec without one of Flint's axes
+    has its default value (DEFAULTS: hidden 2048, q/k norm on, ...), as loader.abi's spec constructors."""
+
+    DEFAULTS = {"kv_cache_dtype": "bf16", "norm": "separate", "hidden": HIDDEN, "qk_norm": True}
 
     def __init__(self, entries):
         self.entries = [(k, dict(s)) for k, s in entries]
@@ -88,24 +101,54 @@ class Kernels:
     def from_bundle(cls, bundle, arch: str) -> Kernels:
         return cls((e.kind, e.spec) for e in bundle.manifest.kernels if e.arch == arch)
 
-    def has(self, kind: str, **want) -> bool:
-        defaults = {"kv_cache_dtype": "bf16", "norm": "separate"}
-        return any(
-            k == kind and all(s.get(a, defaults.get(a)) == b for a, b in want.items())
-            for k, s in self.entries
-        )
-
-    def has_qkv(self, fmt, rope, heads, kv, residual) -> bool:
-        """A qkv kernel for these, and (unless it normalizes in its prologue) the input-norm kernel."""
+    def specs(self, kind: str, **want) -> list[dict]:
+        """The specs of this kind whose values (defaults filled in) are those of want (heads as a pair)."""
+        out = []
         for k, s in self.entries:
-            if k == "qkv" and s["weight_format"] == fmt and s["rope"] == rope and kv_of(s) == kv:
-                if tuple(s["heads"]) == tuple(heads):
-                    if s.get("norm", "separate") == "prologue" or self.has("norm", residual=residual):
-                        return True
+            if k != kind:
+                continue
+            full = {**self.DEFAULTS, **s}
+            if all(_norm_value(full.get(a)) == _norm_value(b) for a, b in want.items()):
+                out.append(full)
+        return out
+
+    def has(self, kind: str, **want) -> bool:
+        return bool(self.specs(kind, **want))
+
+    def hiddens(self, kind: str, **want) -> list[int]:
+        """The hidden sizes the bundle has kernels of this kind for (with the values of want)."""
+        return sorted({s["hidden"] for s in self.specs(kind, **want)})
+
+    def qk_norms(self, kind: str, **want) -> list[bool]:
+        """The q/k norm settings (True: on) the bundle has kernels of this kind for (with want's values)."""
+        return sorted({bool(s["qk_norm"]) for s in self.specs(kind, **want)})
+
+    def names(self, axis: str) -> bool:
+        """Whether the bundle's specs name this axis (every spec of a schema-9 manifest names its hidden size
+        and q/k norm setting; a hand-made list of specs of the fixed-K era names neither)."""
+        return any(axis in s for _, s in self.entries)
+
+    def has_qkv(self, fmt, rope, heads, kv, residual, hidden=HIDDEN, qk_norm=True, m=1) -> bool:
+        """A qkv kernel for these whose token tile holds m, and (unless it normalizes in its prologue) the
+        input-norm kernel of this hidden size."""
+        want = dict(weight_format=fmt, rope=rope, heads=heads, kv_cache_dtype=kv, hidden=hidden)
+        for s in self.specs("qkv", qk_norm=qk_norm, **want):
+            norm = s["norm"] == "prologue" or self.has("norm", residual=residual, hidden=hidden)
+            if s.get("max_m", 8) >= m and norm:
+                return True
         return False
 
-    def qkv_heads(self) -> list[tuple[int, int]]:
-        return sorted({tuple(s["heads"]) for k, s in self.entries if k == "qkv"})
+    def has_gemv(self, fmt, hidden, m=1) -> bool:
+        """A gemv kernel of this format and hidden size whose token tile holds m (past hidden 2048 the
+        bundle has only 8-token kernels: loader.abi.max_tile)."""
+        return any(s.get("max_m", 8) >= m for s in self.specs("gemv", weight_format=fmt, hidden=hidden))
+
+    def qkv_heads(self, **want) -> list[tuple[int, int]]:
+        return sorted({tuple(s["heads"]) for s in self.specs("qkv", **want)})
+
+
+def _norm_value(v):
+    return tuple(v) if isinstance(v, list) else v
 
 
 @dataclass
@@ -117,6 +160,21 @@ class FuzzConfig:
     gemv_rows: tuple = (16, 48, 144, 2064, 5120)
     max_tokens: int = MAX_TOKENS  # the bundle's limit on M for the unfused norms and per-head op
     big_m: tuple = (65, 257, 1000, 4096, MAX_TOKENS)  # prefill sizes the unfused ops' M is drawn from
+    # hidden sizes to draw now and then that the bundle lacks; None: OTHER_HIDDEN where the bundle's specs
+    # name their hidden size (Kernels.names), else none (a fake bundle of the fixed-K era, whose loader knows
+    # one K)
+    other_hidden: tuple | None = None
+    # whether to draw q/k norm settings the bundle lacks and exactly one None norm weight (a ValueError);
+    # None: where the bundle's specs name their q/k norm setting (as other_hidden)
+    qk_norm_axis: bool | None = None
+
+    def hidden_others(self) -> tuple:
+        if self.other_hidden is not None:
+            return tuple(self.other_hidden)
+        return OTHER_HIDDEN if self.kernels.names("hidden") else ()
+
+    def qk_axis(self) -> bool:
+        return self.kernels.names("qk_norm") if self.qk_norm_axis is None else bool(self.qk_norm_axis)
 
 
 BAD_HEADS = ((31, 4), (0, 1), (8, 0), (-8, -1), (True, 1), (16.0, 2), (16, 2.0), (4, 8))
@@ -139,16 +197,19 @@ def _contig(shape) -> tuple:
     return tuple(reversed(out))
 
 
-def tensor_arg(draw, cfg, shape, dtype, fill, wrong_dtypes, *, pct_bad=2, shape_dims=None, align_bad=True):
+def tensor_arg(draw, cfg, shape, dtype, fill, wrong_dtypes, *, pct_bad=2, shape_dims=None, align_bad=True,
+               none_bad=True):  # fmt: skip
     """A tensor argument: shape, strides, storage offset (elements past the guard), dtype, device, fill; valid
-    (contiguous, 16-byte aligned, on the op's device) unless one corruption is drawn (pct_bad %)."""
+    (contiguous, 16-byte aligned, on the op's device) unless one corruption is drawn (pct_bad %); none_bad:
+    None is one of them."""
     shape = tuple(shape)
     per16 = max(16 // ESIZE[dtype], 1)
     a = dict(shape=shape, stride=_contig(shape), offset=draw(st.integers(0, 3)) * per16, dtype=dtype,
              dev="home", fill=fill)  # fmt: skip
     if not _rare(draw, pct_bad):
         return a
-    kinds = ["dtype", "shape", "stride", "transpose", "expand", "py", "none"] + ["misalign"] * align_bad
+    kinds = ["dtype", "shape", "stride", "transpose", "expand", "py"] + ["none"] * none_bad
+    kinds += ["misalign"] * align_bad
     kinds += ["device"] * bool(cfg.foreign)
     how = draw(st.sampled_from(kinds))
     if how == "misalign" and per16 > 1:
@@ -364,10 +425,41 @@ def _proper_heads(nq, nkv) -> bool:
     return ok and nq % nkv == 0
 
 
-def _qk_part(draw, cfg, s, m, nkv_dim):
-    """The per-head stage's arguments (shared by qkv and qk_norm_rope_cache)."""
-    s["q_norm_weight"] = tensor_arg(draw, cfg, (D,), "bf16", ("randn", 0.3, 1.0), ["f32", "f16"])
-    s["k_norm_weight"] = tensor_arg(draw, cfg, (D,), "bf16", ("randn", 0.3, 1.0), ["f32", "f16"])
+def _hidden(draw, cfg, have) -> int:
+    """K: mostly (90 %) one of `have`, the hidden sizes the bundle has for the op's kernels (2048 if none),
+    else one it lacks (FuzzConfig.hidden_others)."""
+    have = sorted(have) or [HIDDEN]
+    lacking = [k for k in cfg.hidden_others() if k not in have]
+    if lacking and _rare(draw, 10):
+        return draw(st.sampled_from(lacking))
+    return draw(st.sampled_from(have))
+
+
+def _qk_norm(draw, cfg, have):
+    """The q/k norm setting: True (both norm weights), False (both None: no q/k norm), or "q only" / "k only"
+    (exactly one given: a ValueError); mostly (90 %) one the bundle has (`have`), else the other one (7 %),
+    or exactly one None (3 %)."""
+    have = sorted(have) or [True]
+    if not cfg.qk_axis():
+        return True
+    r = draw(st.integers(0, 99))
+    if r < 90:
+        return draw(st.sampled_from(have))
+    if r < 97:
+        return not draw(st.sampled_from(have))
+    return draw(st.sampled_from(["q only", "k only"]))
+
+
+def _qk_part(draw, cfg, s, m, nkv_dim, qk_have):
+    """The per-head stage's arguments (shared by qkv and qk_norm_rope_cache); qk_have: the q/k norm settings
+    the bundle has for the op's kernels."""
+    qkn = s["qk_norm"] = _qk_norm(draw, cfg, qk_have)
+    for name, only in (("q_norm_weight", "q only"), ("k_norm_weight", "k only")):
+        s[name] = None
+        given = qkn is True or qkn == only
+        if given:  # (a None drawn as a corruption is exactly one None too: only where the axis is drawn)
+            s[name] = tensor_arg(draw, cfg, (D,), "bf16", ("randn", 0.3, 1.0), ["f32", "f16"],
+                                 none_bad=cfg.qk_axis())  # fmt: skip
     s["qk_eps"] = eps_value(draw)
     rope = draw(st.booleans())
     max_pos = draw(st.sampled_from([4096, 1, 7])) if rope else 4096
@@ -395,17 +487,22 @@ def qkv_spec(draw, cfg: FuzzConfig):
     nq, nkv = s["heads"] = _heads(draw, cfg)
     proper = _proper_heads(nq, nkv)
     fmt = s["fmt"] = draw(st.sampled_from(["bf16", "nvfp4"]))
+    kn = cfg.kernels
+    # K: a hidden size the bundle has for these head counts and this format (any qkv kernel's if none)
+    k = s["hidden"] = _hidden(draw, cfg, kn.hiddens("qkv", heads=(nq, nkv), weight_format=fmt)
+                              or kn.hiddens("qkv"))  # fmt: skip
     rows = (nq + 2 * nkv) * D if proper else 16 * D
-    s["x"] = tensor_arg(draw, cfg, (m, K), "bf16", ("randn", 2.0, 0.0), ["f32", "f16"], shape_dims=[1])
+    s["x"] = tensor_arg(draw, cfg, (m, k), "bf16", ("randn", 2.0, 0.0), ["f32", "f16"], shape_dims=[1])
     s["residual"] = None
     if draw(st.booleans()):
-        s["residual"] = tensor_arg(draw, cfg, (m, K), "bf16", ("randn", 1.0, 0.0), ["f32", "f16"])
-    s["norm_weight"] = tensor_arg(draw, cfg, (K,), "bf16", ("randn", 0.3, 1.0), ["f32", "f16"])
+        s["residual"] = tensor_arg(draw, cfg, (m, k), "bf16", ("randn", 1.0, 0.0), ["f32", "f16"])
+    s["norm_weight"] = tensor_arg(draw, cfg, (k,), "bf16", ("randn", 0.3, 1.0), ["f32", "f16"])
     s["eps"] = eps_value(draw)
     s["weight"] = weight_arg(draw, cfg, fmt, rows)
     s["weight_scale"] = wscale_arg(draw, cfg, fmt)
     s["global_scale"] = gscale_arg(draw, cfg, fmt)
-    _qk_part(draw, cfg, s, m, nkv if proper else 1)
+    qk_have = kn.qk_norms("qkv", heads=(nq, nkv), hidden=k) or kn.qk_norms("qkv")
+    _qk_part(draw, cfg, s, m, nkv if proper else 1, qk_have)
     return s
 
 
@@ -417,7 +514,7 @@ def qk_norm_rope_cache_spec(draw, cfg: FuzzConfig):
     proper = _proper_heads(nq, nkv)
     n = (nq + 2 * nkv) * D if proper else 2560
     s["qkv"] = tensor_arg(draw, cfg, (m, n), "bf16", ("randn", 3.0, 0.0), ["f32", "f16"], shape_dims=[1])
-    _qk_part(draw, cfg, s, m, nkv if proper else 1)
+    _qk_part(draw, cfg, s, m, nkv if proper else 1, cfg.kernels.qk_norms("qk_norm_rope_cache"))
     return s
 
 
@@ -426,9 +523,10 @@ def gemv_spec(draw, cfg: FuzzConfig):
     s = _common(draw, cfg, "gemv")
     m = s["m"] = _m(draw)
     fmt = s["fmt"] = draw(st.sampled_from(["bf16", "nvfp4"]))
+    k = s["hidden"] = _hidden(draw, cfg, cfg.kernels.hiddens("gemv", weight_format=fmt))
     rows = draw(st.sampled_from(cfg.gemv_rows)) if not _rare(draw, 5) else draw(st.sampled_from([40, 0]))
     s["x"] = tensor_arg(
-        draw, cfg, (m, K), "bf16", ("randn", 2.0, 0.0), ["f32", "f16"], shape_dims=[1], pct_bad=6
+        draw, cfg, (m, k), "bf16", ("randn", 2.0, 0.0), ["f32", "f16"], shape_dims=[1], pct_bad=6
     )
     s["weight"] = weight_arg(draw, cfg, fmt, rows)
     s["weight_scale"] = wscale_arg(draw, cfg, fmt)
@@ -439,15 +537,16 @@ def gemv_spec(draw, cfg: FuzzConfig):
 def _norm_spec(draw, cfg, op):
     s = _common(draw, cfg, op)
     m = s["m"] = _m(draw, cfg)
+    k = s["hidden"] = _hidden(draw, cfg, cfg.kernels.hiddens("norm", residual=op == "fused_add_rms_norm"))
     bad = 8  # % per tensor: these ops have few arguments
     s["x"] = tensor_arg(
-        draw, cfg, (m, K), "bf16", ("randn", 3.0, 0.0), ["f32", "f16"], shape_dims=[1], pct_bad=bad
+        draw, cfg, (m, k), "bf16", ("randn", 3.0, 0.0), ["f32", "f16"], shape_dims=[1], pct_bad=bad
     )
     if op == "fused_add_rms_norm":
         s["residual"] = tensor_arg(
-            draw, cfg, (m, K), "bf16", ("randn", 1.0, 0.0), ["f32", "f16"], pct_bad=bad
+            draw, cfg, (m, k), "bf16", ("randn", 1.0, 0.0), ["f32", "f16"], pct_bad=bad
         )
-    s["weight"] = tensor_arg(draw, cfg, (K,), "bf16", ("randn", 0.5, 1.0), ["f32", "f16"], pct_bad=bad)
+    s["weight"] = tensor_arg(draw, cfg, (k,), "bf16", ("randn", 0.5, 1.0), ["f32", "f16"], pct_bad=bad)
     s["eps"] = eps_value(draw) if not _rare(draw, 5) else draw(st.sampled_from(EPS_BAD))
     return s
 
@@ -567,14 +666,15 @@ def _check_heads(E, nq, nkv) -> bool:
     return True
 
 
-def _check_weight(E, s, rows_wanted):
-    """Returns the weight format when it can be told (for the bundle lookup), else None."""
+def _check_weight(E, s, rows_wanted, k):
+    """The weight, its scales and their shapes for hidden size k (x's columns); returns the weight format
+    when it can be told (for the bundle lookup), else None."""
     w, ws, gs = s["weight"], s["weight_scale"], s["global_scale"]
     fmt = w["fmt"]
     if w["view"] == "py":
         E.bad("weight is not a tensor")
         return None
-    view = weight_view_props(w)
+    view = weight_view_props(w, hidden_of(s))
     if view["dtype"] != ("bf16" if fmt == "bf16" else "u8"):
         E.bad(f"weight dtype {view['dtype']}")
         fmt = None
@@ -582,8 +682,11 @@ def _check_weight(E, s, rows_wanted):
     if rows_wanted is not None:
         if rows != rows_wanted:
             E.bad(f"weight rows {rows} != {rows_wanted}", {ValueError})
-    elif rows < 16 or rows % 16 or rows > MAX_GEMV_ROWS:
+    elif rows < 16 or rows % 16 or rows > max_gemv_rows(k):
         E.bad(f"gemv weight rows {rows}", {ValueError})
+    cols = k if w["fmt"] == "bf16" else k // 2  # (NVFP4: two e2m1 codes a byte)
+    if fmt is not None and view["shape"][1] != cols:
+        E.bad(f"weight columns {view['shape'][1]} != {cols} for hidden size {k}", {ValueError})
     if not is_contiguous(view["shape"], view["stride"]):
         E.bad("weight not contiguous")
     if view["offset"] * ESIZE[view["dtype"]] % 16:
@@ -600,8 +703,8 @@ def _check_weight(E, s, rows_wanted):
         if ws["view"] == "py":
             E.bad("weight_scale is not a tensor")
         else:
-            p = wscale_view_props(ws, w["rows"])
-            _check_tensor(E, "weight_scale", p, ("e4m3", "u8"), (-(-rows // 128) * 128, K // 16), align=4)
+            p = wscale_view_props(ws, w["rows"], hidden_of(s))
+            _check_tensor(E, "weight_scale", p, ("e4m3", "u8"), (-(-rows // 128) * 128, k // 16), align=4)
     if gs is not None:
         if "py" in gs:
             E.bad("global_scale is not a tensor")
@@ -784,9 +887,18 @@ def effective_slots(s) -> list[int]:
 
 
 def _check_qk(E, s, m, nkv):
-    """The per-head stage's rules; returns (rope, kv) for the lookup."""
-    _check_tensor(E, "q_norm_weight", s["q_norm_weight"], ("bf16",), (D,))
-    _check_tensor(E, "k_norm_weight", s["k_norm_weight"], ("bf16",), (D,))
+    """The per-head stage's rules; returns (rope, kv, q/k norm) for the lookup (kv and the q/k norm setting
+    None where they cannot be told)."""
+    qn, kn = s["q_norm_weight"], s["k_norm_weight"]
+    qk_norm = None
+    if (qn is None) != (kn is None):
+        E.bad("exactly one of q_norm_weight and k_norm_weight is None", {ValueError})
+    elif qn is None:
+        qk_norm = False  # both None: no q/k norm (the kernels built with qk_norm false)
+    else:
+        qk_norm = True
+        _check_tensor(E, "q_norm_weight", qn, ("bf16",), (D,))
+        _check_tensor(E, "k_norm_weight", kn, ("bf16",), (D,))
     _check_eps(E, "qk_eps", s["qk_eps"])
     cs = s["cos_sin_cache"]
     rope = cs is not None
@@ -820,59 +932,81 @@ def _check_qk(E, s, m, nkv):
         nonneg = [v for v in used if v >= 0]
         if len(set(nonneg)) != len(nonneg):
             E.bad("checked mode: duplicate slots", {ValueError})
-    return rope, kv
+    return rope, kv, qk_norm
+
+
+def hidden_of(s: dict) -> int:
+    """The hidden size an example was drawn at (examples without one: HIDDEN)."""
+    return s.get("hidden", HIDDEN)
+
+
+def x_cols(s: dict) -> int:
+    """K as the loader takes it: x's columns, any K > 0 (the other tensors' shapes must follow it); the drawn
+    hidden size where x is no 2-D tensor of columns (then the call is refused for x anyway)."""
+    a = s.get("x")
+    if isinstance(a, dict) and "py" not in a and len(a["shape"]) == 2 and a["shape"][1] > 0:
+        return a["shape"][1]
+    return hidden_of(s)
 
 
 def expect(s: dict, kernels: Kernels) -> Expect:
+    """What the loader must do with example s, given the bundle's kernels. A variant the bundle lacks (hidden
+    size, q/k norm setting, head counts, format, RoPE, cache dtype, residual) is a LookupError, one of the
+    violations: alone, the call must raise it; beside an argument the checks refuse, either may be raised."""
     E = Expect()
     op, m = s["op"], s["m"]
+    k = x_cols(s)
     if not 1 <= m <= s.get("m_limit", MAX_M):
         E.bad(f"M = {m}", {ValueError})
     if op in ("rms_norm", "fused_add_rms_norm", "gemv", "qkv"):
-        _check_tensor(E, "x", s["x"], ("bf16",), (m, K))
+        _check_tensor(E, "x", s["x"], ("bf16",), (m, k))
     if op in ("rms_norm", "fused_add_rms_norm"):
         res = s.get("residual")
         if op == "fused_add_rms_norm":
-            _check_tensor(E, "residual", res, ("bf16",), (m, K))
-        _check_tensor(E, "weight", s["weight"], ("bf16",), (K,))
+            _check_tensor(E, "residual", res, ("bf16",), (m, k))
+        _check_tensor(E, "weight", s["weight"], ("bf16",), (k,))
         _check_eps(E, "eps", s["eps"])
-        if not kernels.has("norm", residual=op == "fused_add_rms_norm"):
-            E.bad("no norm kernel in the bundle", LOOKUP)
+        if not kernels.has("norm", residual=op == "fused_add_rms_norm", hidden=k):
+            E.bad(f"no norm kernel for hidden size {k} in the bundle", LOOKUP)
         return E
     if op == "gemv":
-        fmt = _check_weight(E, s, None)
-        if fmt is not None and not kernels.has("gemv", weight_format=fmt):
-            E.bad(f"no gemv {fmt} kernel", LOOKUP)
+        fmt = _check_weight(E, s, None, k)
+        if fmt is not None and not kernels.has_gemv(fmt, k, m if 1 <= m <= MAX_M else 1):
+            E.bad(f"no gemv {fmt} kernel for hidden size {k} and M = {m}", LOOKUP)
         return E
     nq, nkv = s["heads"]
     proper = _check_heads(E, nq, nkv)
     if op == "qkv":
         if s["residual"] is not None:
-            _check_tensor(E, "residual", s["residual"], ("bf16",), (m, K))
-        _check_tensor(E, "norm_weight", s["norm_weight"], ("bf16",), (K,))
+            _check_tensor(E, "residual", s["residual"], ("bf16",), (m, k))
+        _check_tensor(E, "norm_weight", s["norm_weight"], ("bf16",), (k,))
         _check_eps(E, "eps", s["eps"])
-        fmt = _check_weight(E, s, (nq + 2 * nkv) * D if proper else -1)
-        rope, kv = _check_qk(E, s, m, nkv if proper else 1)
-        if proper and fmt is not None and kv is not None:
-            if not kernels.has_qkv(fmt, rope, (nq, nkv), kv, s["residual"] is not None):
-                E.bad(f"no qkv kernel {fmt} rope={rope} heads={nq}x{nkv} kv={kv}", LOOKUP)
+        fmt = _check_weight(E, s, (nq + 2 * nkv) * D if proper else -1, k)
+        rope, kv, qkn = _check_qk(E, s, m, nkv if proper else 1)
+        if proper and fmt is not None and kv is not None and qkn is not None:
+            tile_m = m if 1 <= m <= MAX_M else 1  # (an M the checks refuse asks for no tile)
+            if not kernels.has_qkv(fmt, rope, (nq, nkv), kv, s["residual"] is not None, k, qkn, tile_m):
+                E.bad(f"no qkv kernel {fmt} rope={rope} heads={nq}x{nkv} kv={kv} hidden={k} qk_norm={qkn} "
+                      f"M={m}", LOOKUP)  # fmt: skip
         return E
-    # qk_norm_rope_cache: its kernel does not depend on the head counts
+    # qk_norm_rope_cache: its kernel does not depend on the head counts (nor on a hidden size)
     n = (nq + 2 * nkv) * D if proper else -1
     _check_tensor(E, "qkv", s["qkv"], ("bf16",), (m, n))
-    rope, kv = _check_qk(E, s, m, nkv if proper else 1)
-    if kv is not None and not kernels.has("qk_norm_rope_cache", rope=rope, kv_cache_dtype=kv):
-        E.bad(f"no qk_norm_rope_cache kernel rope={rope} kv={kv}", LOOKUP)
+    rope, kv, qkn = _check_qk(E, s, m, nkv if proper else 1)
+    if kv is not None and qkn is not None:
+        if not kernels.has("qk_norm_rope_cache", rope=rope, kv_cache_dtype=kv, qk_norm=qkn):
+            E.bad(f"no qk_norm_rope_cache kernel rope={rope} kv={kv} qk_norm={qkn}", LOOKUP)
     if proper and (nq, nkv) not in kernels.qkv_heads():
         E.maybe("head counts the fused op's bundle does not have (the unfused kernel takes any)")
     return E
 
 
 # ============================================================================= weights (cached)
-def weight_view_props(w) -> dict:
-    """shape / stride / offset / dtype of the weight view a weight_arg asks for (offsets in elements)."""
+def weight_view_props(w, k: int = HIDDEN) -> dict:
+    """shape / stride / offset / dtype of the weight view a weight_arg asks for at hidden size k (offsets in
+    elements)."""
     fmt, n = w["fmt"], w["rows"]
-    cols = K if fmt == "bf16" else K // 2
+    cols = k if fmt == "bf16" else k // 2
     dtype = "bf16" if fmt == "bf16" else "u8"
     p = dict(shape=(n, cols), stride=(cols, 1), offset=0, dtype=dtype)
     v = w["view"]
@@ -889,9 +1023,9 @@ def weight_view_props(w) -> dict:
     return p
 
 
-def wscale_view_props(ws, rows) -> dict:
-    npad = -(-rows // 128) * 128
-    p = dict(shape=(npad, K // 16), stride=(K // 16, 1), offset=0, dtype="e4m3", dev="home")
+def wscale_view_props(ws, rows, k: int = HIDDEN) -> dict:
+    npad, cols = -(-rows // 128) * 128, k // 16
+    p = dict(shape=(npad, cols), stride=(cols, 1), offset=0, dtype="e4m3", dev="home")
     v = ws["view"]
     if v == "u8":
         p["dtype"] = "u8"
@@ -900,7 +1034,7 @@ def wscale_view_props(ws, rows) -> dict:
     elif v == "misalign":
         p["offset"] = 1
     elif v == "short":
-        p["shape"] = (npad - 128, K // 16) if npad >= 128 else (npad, K // 32)  # (fits in the buffer)
+        p["shape"] = (npad - 128, cols) if npad >= 128 else (npad, cols // 2)  # (fits in the buffer)
     elif v == "transpose":
         p["stride"] = (1, max(npad, 1))
     elif v == "dtype":
@@ -912,8 +1046,8 @@ def wscale_view_props(ws, rows) -> dict:
 
 @dataclass
 class WeightEntry:
-    """One random weight of (format, rows) on one device, carved out of guard buffers once and reused by
-    every example (their bytes are checked after every example against their state at creation)."""
+    """One random weight of (format, rows, hidden size) on one device, carved out of guard buffers once and
+    reused by every example (their bytes are checked after every example against their state at creation)."""
 
     fmt: str
     rows: int
@@ -923,6 +1057,7 @@ class WeightEntry:
     dense: torch.Tensor | None = None
     wview: torch.Tensor | None = None
     sview: torch.Tensor | None = None
+    k: int = HIDDEN
 
 
 class Env:
@@ -955,27 +1090,30 @@ class Env:
             return self.device
         return self.other
 
-    def weight(self, fmt: str, rows: int, dev: torch.device) -> WeightEntry:
-        key = (fmt, rows, str(dev))
+    def weight(self, fmt: str, rows: int, dev: torch.device, k: int = HIDDEN) -> WeightEntry:
+        key = (fmt, rows, str(dev)) if k == HIDDEN else (fmt, rows, str(dev), k)
         e = self.weights.get(key)
         if e is not None:
             return e
         g = torch.Generator(device=dev).manual_seed(1000 + rows)
-        w = (torch.randn(rows, K, device=dev, generator=g) * 0.03).bfloat16()
+        w = torch.randn(rows, k, device=dev, generator=g) * 0.03
+        if k != HIDDEN:
+            w *= (HIDDEN / k) ** 0.5  # (q/k/v of the same scale at any K, as tests.helpers.make_case)
+        w = w.bfloat16()
         if fmt == "bf16":
-            wv, wg = carve((rows, K), torch.bfloat16, dev, data=w)
-            e = WeightEntry(fmt, rows, wg, None, 1.0, wview=wv)
+            wv, wg = carve((rows, k), torch.bfloat16, dev, data=w)
+            e = WeightEntry(fmt, rows, wg, None, 1.0, wview=wv, k=k)
         else:
             if rows:
                 packed, scales, gs = nvfp4.quantize(w)
                 gsv = float(gs.reshape(-1)[0])
             else:
-                packed = torch.zeros(0, K // 2, dtype=torch.uint8, device=dev)
-                scales = torch.zeros(0, K // 16, dtype=torch.float8_e4m3fn, device=dev)
+                packed = torch.zeros(0, k // 2, dtype=torch.uint8, device=dev)
+                scales = torch.zeros(0, k // 16, dtype=torch.float8_e4m3fn, device=dev)
                 gsv = 1.0
             wv, wg = carve(packed.shape, torch.uint8, dev, data=packed)
             sv, sg = carve(scales.shape, torch.float8_e4m3fn, dev, data=scales.view(torch.uint8))
-            e = WeightEntry(fmt, rows, wg, sg, gsv, wview=wv, sview=sv)
+            e = WeightEntry(fmt, rows, wg, sg, gsv, wview=wv, sview=sv, k=k)
         for gb in (e.w, e.scales):
             if gb is not None:
                 gb.snapshot()
@@ -1071,16 +1209,16 @@ def _scalar_tensor(env, ctx, name, a, home, value):
 
 
 def _weights(env, ctx, s, home):
-    w = s["weight"]
+    w, k = s["weight"], hidden_of(s)
     if w["view"] == "py":
         ctx.args["weight"] = 1.0
     else:
-        p = weight_view_props(w)
+        p = weight_view_props(w, k)
         dt = DT[p["dtype"]]
         if w["dev"] != "home":  # on another device: contents never read
             ctx.args["weight"] = torch.empty(p["shape"], dtype=dt, device=env.dev(w["dev"], home))
         else:
-            e = env.weight(w["fmt"], w["rows"], home)
+            e = env.weight(w["fmt"], w["rows"], home, k)
             ctx.weights.append(e)
             ctx.dense = e
             base = e.wview
@@ -1092,10 +1230,10 @@ def _weights(env, ctx, s, home):
     elif ws["view"] == "py":
         ctx.args["weight_scale"] = 1.0
     else:
-        e = env.weight("nvfp4", rows, home)
+        e = env.weight("nvfp4", rows, home, k)
         if e not in ctx.weights:
             ctx.weights.append(e)
-        p = wscale_view_props(ws, rows)
+        p = wscale_view_props(ws, rows, k)
         if p["dev"] != "home":  # on another device: contents never read
             ctx.args["weight_scale"] = torch.empty(
                 p["shape"], dtype=torch.uint8, device=env.dev(p["dev"], home)
@@ -1111,7 +1249,7 @@ def _weights(env, ctx, s, home):
     if gs is None:
         ctx.args["global_scale"] = None
     else:
-        value = env.weight("nvfp4", rows, home).gs if w["fmt"] == "nvfp4" else 1.0
+        value = env.weight("nvfp4", rows, home, k).gs if w["fmt"] == "nvfp4" else 1.0
         ctx.args["global_scale"] = _scalar_tensor(env, ctx, "global_scale", gs, home, value)
 
 
@@ -1260,11 +1398,11 @@ def _check_norms(env, s, E, ctx, out, home):
         assert isinstance(out, tuple) and len(out) == 2, f"fused_add_rms_norm returned {type(out).__name__}"
         xn, res_out = out
         res = ctx.args["residual"]
-        _fresh(res_out, (m, K), home, "residual_out")
+        _fresh(res_out, (m, x.shape[1]), home, "residual_out")
         assert torch.equal(res_out, (x.float() + res.float()).bfloat16()), (
             "residual_out != bf16(x + residual)"
         )
-    _fresh(xn, (m, K), home, "xn")
+    _fresh(xn, (m, x.shape[1]), home, "xn")
     if E.check_values:
         ref, _ = rms_norm_ref(x, res, w, float(s["eps"]))
         _check_rows(xn, ref.double(), "xn")
@@ -1304,7 +1442,7 @@ def _check_qkv(env, s, E, ctx, out, home):
             "residual_out must be x itself without a residual"
         )
     else:
-        _fresh(res_out, (m, K), home, "residual_out")
+        _fresh(res_out, (m, x.shape[1]), home, "residual_out")
         assert torch.equal(res_out, (x.float() + res.float()).bfloat16()), (
             "residual_out != bf16(x + residual)"
         )

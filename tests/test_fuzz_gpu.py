@@ -1,14 +1,20 @@
 """Property-based fuzzing (hypothesis) of the five serve-time ops on the GPU: flint_qkv_fused,
 qk_norm_rope_cache, gemv, rms_norm, fused_add_rms_norm. tests/fuzz_harness.py says what an example draws
-(M, head counts in and out of the bundle, shapes, strides, dtypes, devices, slots, positions, eps values,
-NVFP4 scales, FP8 caches and scales, checked mode, PDL on or off) and what is checked (a rejection raises
+(M, the hidden size K and the q/k norm setting mostly from those the bundle has, head counts in and out of
+the bundle, shapes, strides, dtypes, devices, slots, positions, eps values, NVFP4 scales, FP8 caches and
+scales, checked mode, PDL on or off) and what is checked (a rejection raises
 TypeError / ValueError / LookupError and writes nothing; an accepted call gives the float64 reference's result
 and writes only the mapped cache slots; guard bands around every tensor stay bit-identical; the device
 synchronizes cleanly after every example).
 
     PYTHONPATH=. python -m pytest tests/test_fuzz_gpu.py                          # 50 examples per op
     FLINT_FUZZ_EXAMPLES=2000 PYTHONPATH=. python -m pytest tests/test_fuzz_gpu.py  # the long run
+    FLINT_AOT_BUNDLE=build/axes PYTHONPATH=. python -m pytest tests/test_fuzz_gpu.py  # configs/axes.yaml's
     ... --hypothesis-seed=N        # a reproducible run
+
+The axes are the bundle's: its hidden sizes per kind and q/k norm settings (build/flint: 2048 and q/k norm
+on only; build/axes: 1024 and 1536, q/k norm on and off), each example sometimes drawing one it lacks (a
+LookupError when every argument check passes).
 
 A failing example is printed (the drawn dict) with a @reproduce_failure blob, and saved in the example
 database ($FLINT_FUZZ_DB, default build/hypothesis: kept between runs on a machine where build/ persists),

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from loader import nvfp4  # noqa: E402
-from loader.abi import F32_MAX, MAX_GEMV_ROWS, MAX_M, MAX_TOKENS  # noqa: E402
+from loader.abi import F32_MAX, M_TILES, MAX_GEMV_ROWS, MAX_M, MAX_TOKENS  # noqa: E402
 from loader.reference import fp8_cache_value, make_cos_sin_cache, qk_norm_rope_ref, rms_norm_ref  # noqa: E402
 from tests import fuzz_harness as fh  # noqa: E402
 from tests import helpers as h  # noqa: E402
@@ -398,15 +398,18 @@ def _indices(shape):
 
 
 def fake_kernels(heads=((8, 1), (16, 2))):
+    """A bundle of the fixed-K era (no hidden or q/k norm keys: FakeLoader knows one K) with every token tile
+    of the qkv and gemv kernels, as configs/flint.yaml builds (the harness asks for a tile that holds M;
+    FakeLoader serves any M up to 64)."""
     e = [("norm", {"residual": r}) for r in (True, False)]
-    e += [("gemv", {"weight_format": f}) for f in ("bf16", "nvfp4")]
+    e += [("gemv", {"weight_format": f, "max_m": t}) for f in ("bf16", "nvfp4") for t in M_TILES]
     for rope in (True, False):
         for kv in ("bf16", "fp8_e4m3"):
             e.append(("qk_norm_rope_cache", {"rope": rope, "kv_cache_dtype": kv}))
             for f in ("bf16", "nvfp4"):
                 for nq, nkv in heads:
                     spec = {"weight_format": f, "rope": rope, "heads": [nq, nkv], "kv_cache_dtype": kv}
-                    e.append(("qkv", {**spec, "norm": "separate"}))
+                    e += [("qkv", {**spec, "norm": "separate", "max_m": t}) for t in M_TILES]
     return fh.Kernels(e)
 
 
@@ -437,7 +440,7 @@ def test_random_examples_pass_against_a_correct_loader(op, strict, data):
 
 
 @pytest.mark.parametrize("op", fh.OPS)
-def test_strategies_draw_valid_invalid_and_open_examples(op):
+def test_strategies_draw_valid_invalid_and_open_examples(op, no_local_constants):
     """Of 400 drawn examples (judged by the rules, not run), some must pass, some must be rejected, and the
     fused op sees variants the bundle lacks: the strategies are not lopsided."""
     seen = Counter()
