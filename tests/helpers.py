@@ -386,6 +386,20 @@ def qk_args(c: dict, qkv: torch.Tensor) -> dict:
     return {"qkv": qkv, **{k: c[k] for k in keys if k in c}}
 
 
+def run_unfused(c: dict, u: dict):
+    """The unfused chain on case c's inputs: the norm (with c's residual, or without), the GEMV, then the
+    per-head stage writing u's caches (a copy of c with caches of its own). Returns (q, residual_out, xn):
+    what the fused op's results must equal bit for bit."""
+    import loader
+
+    if c["residual"] is None:
+        xn, r = loader.rms_norm(c["x"], c["norm_weight"], c["eps"]), c["x"]
+    else:
+        xn, r = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
+    qkv = loader.gemv(xn, c["weight"], c["weight_scale"], c["global_scale"])
+    return loader.qk_norm_rope_cache(**qk_args(u, qkv)), r, xn
+
+
 def check_qk(c: dict, qkv: torch.Tensor, q: torch.Tensor, k_before: torch.Tensor, v_before: torch.Tensor):
     """loader.qk_norm_rope_cache(**qk_args(c, qkv)) against the float64 reference, as check() does."""
     m, nq, nkv = qkv.shape[0], c["num_q_heads"], c["num_kv_heads"]

@@ -19,9 +19,9 @@ from tests.helpers import (
     kv_of,
     make_case,
     op_args,
-    qk_args,
     rel,
     run,
+    run_unfused,
 )
 
 pytestmark = pytest.mark.gpu
@@ -112,12 +112,7 @@ def test_fused_equals_unfused(gpu_bundle, fmt, kv):
                           kv_dtype=kv, hidden=hidden, qk_norm=qkn)  # fmt: skip
             u = {k: (v.clone() if k in ("k_cache", "v_cache") else v) for k, v in c.items()}
             q, res_out = loader.flint_qkv_fused(**op_args(c))
-            if c["residual"] is None:
-                xn, r2 = loader.rms_norm(c["x"], c["norm_weight"], c["eps"]), c["x"]
-            else:
-                xn, r2 = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
-            qkv = loader.gemv(xn, c["weight"], c["weight_scale"], c["global_scale"])
-            q2 = loader.qk_norm_rope_cache(**qk_args(u, qkv))
+            q2, r2, _ = run_unfused(c, u)
             torch.cuda.synchronize()
             what = (hidden, qkn, rope, nq, nkv, m)
             assert torch.equal(bits(res_out), bits(r2)), what

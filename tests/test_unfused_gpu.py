@@ -18,6 +18,7 @@ from tests.helpers import (
     op_args,
     qk_args,
     rel,
+    run_unfused,
     variants,
 )
 
@@ -238,14 +239,7 @@ def test_fused_equals_unfused(gpu_bundle, fmt):
             u = {k: (v.clone() if k in ("k_cache", "v_cache") else v) for k, v in c.items()}
             kb, vb = c["k_cache"].clone(), c["v_cache"].clone()
             q, res_out = loader.flint_qkv_fused(**op_args(c))
-            if c["residual"] is None:
-                xn, r2 = loader.rms_norm(c["x"], c["norm_weight"], c["eps"]), c["x"]
-            else:
-                xn, r2 = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])
-            qkv = loader.gemv(xn, c["weight"], c["weight_scale"], c["global_scale"])
-            q2 = loader.qk_norm_rope_cache(qkv, u["q_norm_weight"], u["k_norm_weight"], u["qk_eps"],
-                                           u["cos_sin_cache"], u["positions"], u["k_cache"], u["v_cache"],
-                                           u["slot_mapping"], nq, nkv)  # fmt: skip
+            q2, r2, _ = run_unfused(c, u)
             torch.cuda.synchronize()
             check(c, q, res_out, kb, vb)  # the fused op against the float64 reference
             assert torch.equal(res_out, r2)
@@ -268,12 +262,7 @@ def test_fused_equals_unfused_fp8_cache(gpu_bundle, fmt):
             )
             u = {k: (v.clone() if k in ("k_cache", "v_cache") else v) for k, v in c.items()}
             loader.flint_qkv_fused(**op_args(c))
-            if c["residual"] is None:
-                xn = loader.rms_norm(c["x"], c["norm_weight"], c["eps"])
-            else:
-                xn = loader.fused_add_rms_norm(c["x"], c["residual"], c["norm_weight"], c["eps"])[0]
-            qkv = loader.gemv(xn, c["weight"], c["weight_scale"], c["global_scale"])
-            loader.qk_norm_rope_cache(**qk_args(u, qkv))
+            run_unfused(c, u)
             torch.cuda.synchronize()
             assert torch.equal(c["v_cache"].view(torch.uint8), u["v_cache"].view(torch.uint8)), (
                 "v bytes differ"
