@@ -63,6 +63,15 @@ _NORM = ("x", "residual", "weight")  # the tensors of a norm call, in the op's o
 _NORM_VALUES = ("residual_out", "xn", "eps")  # its other values, after the tensors' data pointers
 
 
+def _buildable(op: str, kind: str, k: int) -> None:
+    """A hidden size no bundle can hold (loader.abi.hidden_refusal) is a LookupError saying so, instead of the
+    lookup's advice to add it to the config and rebuild."""
+    why = abi.hidden_refusal(kind, k)
+    if why is not None:
+        raise LookupError(f"{op}: x has {k} columns, a hidden size flint-aot cannot build {kind} kernels for "
+                          f"(accepted: {why}); no bundle has them")  # fmt: skip
+
+
 def _norm_launcher(dev: int, has_res: bool, k: int):
     return _launcher(dev, "norm", (has_res, k), lambda: abi.norm_spec(has_res, k))
 
@@ -89,6 +98,7 @@ def _norm_plan(names, renames, args, has_res) -> plans.Plan:
     if has_res:
         checks.tensor("residual", residual, BF16, checks.rows(m, k), dev)
     checks.tensor("weight", weight, BF16, checks.hidden(k), dev)
+    _buildable("fused_add_rms_norm" if has_res else "rms_norm", "norm", k)
     p = plans.Plan(dev, (), names=names)
     consts = _xn_layout(abi.row_major(k)) | ({} if has_res else {"residual": 0})  # (without: it reads none)
     plans.bind(p, names + _NORM_VALUES, [(_norm_launcher(dev, has_res, k), {"M": m}, consts, renames)])
@@ -222,6 +232,7 @@ def _qkv_plan(names, renames, args, nq, nkv, prefer) -> plans.Plan:
         checks.tensor("residual", residual, BF16, checks.rows(m, hid), dev)
     checks.tensor("norm_weight", norm_weight, BF16, checks.hidden(hid), dev)
     kv, consts, stage = _stage(m, nkv, dev, *head)
+    _buildable("flint_qkv_fused", "qkv", hid)
     if fmt == "bf16":
         consts.update(weight_scale=0, global_scale=0)  # (a BF16 kernel reads no scale)
     symbols, tile = {"M": m, "ROW_BLOCKS": n // abi.ROWS_PER_CTA, "HEADS": nq + 2 * nkv}, abi.m_tiles(m)[0]
@@ -306,6 +317,7 @@ def _gemv_plan(names, renames, args) -> plans.Plan:
     m, dev = checks.activations(x)
     hid = x.shape[1]
     fmt, n = checks.weight(weight, weight_scale, global_scale, dev, None, hid)
+    _buildable("gemv", "gemv", hid)
     tiles = abi.m_tiles(m)
     k = _launcher(dev, "gemv", (fmt, tiles[0], hid), lambda: [abi.gemv_spec(fmt, t, hid) for t in tiles])
     p = plans.Plan(dev, (), out=_out(x, dev, m, n), names=names)

@@ -459,6 +459,27 @@ def test_hidden_sized_tensors_of_another_size_are_refused_naming_the_shape(monke
 
 
 @needs_dsl
+def test_a_hidden_size_no_bundle_can_hold_says_so(monkeypatch):
+    """x of a width flint-aot cannot build kernels for (1025; 1000: not multiples of 512) whose tensors pass
+    the shape checks (NVFP4 codes of 1025 // 2 bytes, 1025 // 16 scales): a LookupError saying no bundle has
+    them and what is accepted, not the advice to add the size to the config; nothing launched. A hidden size
+    that can be built but is missing (1536) keeps the bundle's list."""
+    import loader
+    from loader import nvfp4
+
+    dry = _DryRun(monkeypatch, _entries(AXES))
+    w = nvfp4.quantize((torch.randn(48, 1024) * 0.03).bfloat16())
+    with pytest.raises(LookupError, match=r"^gemv: x has 1025 columns, a hidden size flint-aot cannot build "
+                                          r"gemv kernels for \(accepted: a multiple of 512 in 1024\.\.2048"):
+        loader.gemv(torch.randn(3, 1025).bfloat16(), *w)
+    with pytest.raises(LookupError, match=r"^rms_norm: x has 1000 columns, .* norm kernels for"):
+        loader.rms_norm(torch.randn(2, 1000).bfloat16(), torch.ones(1000).bfloat16(), 1e-6)
+    with pytest.raises(LookupError, match=r"no gemv kernel for .*hidden=1536.*it has: .*hidden=1024"):
+        loader.gemv(torch.randn(3, 1536).bfloat16(), torch.randn(48, 1536).bfloat16())
+    assert not dry.launched
+
+
+@needs_dsl
 @pytest.mark.parametrize("none", ["q_norm_weight", "k_norm_weight"])
 def test_the_qk_norm_weights_are_both_tensors_or_both_none(monkeypatch, none):
     """One q/k norm weight None and the other a tensor is a ValueError naming both, from the fused op and the
