@@ -1,4 +1,5 @@
-"""A Qwen3 causal LM (Qwen3-1.7B shape, random weights) decoding greedily through `loader.flint_qkv_fused`.
+"""A Qwen3 causal LM (Qwen3-1.7B shape by default; --model qwen3-0.6b, qwen3-8b or llama-3.1-8b, random
+weights) decoding greedily through `loader.flint_qkv_fused`.
 
 Every decoder layer's attention input -- input RMSNorm (fused residual add), the qkv projection, the q/k
 RMSNorm, NeoX RoPE and the write of k and v into a paged KV cache -- is one call of the op; attention over the
@@ -25,11 +26,15 @@ decode, ours eager and ours under graph replay.
     python examples/qwen3_decode.py                                # 28 layers, BF16 weights, BF16 cache
     python examples/qwen3_decode.py --weights nvfp4 --kv-cache fp8
     python examples/qwen3_decode.py --backend reference --tiny     # pure torch, runs on CPU
+    python examples/qwen3_decode.py --model qwen3-0.6b --bundle build/qwen3-0.6b    # hidden 1024
+    python examples/qwen3_decode.py --model llama-3.1-8b --backend reference --tiny  # no q/k norm
     python examples/qwen3_decode.py --batch 64                     # and 64 sequences decoding together
 
 `--backend reference` swaps the op for a torch implementation of the same numerics (docs/numerics.md, built
 from `loader.reference`), so the whole loop and its checks run without a GPU; `--tiny` shrinks vocabulary,
-MLP width and layer count but keeps hidden 2048, 16/8 heads and head dim 128, the sizes the op is built for.
+MLP width and layer count but keeps the model's hidden size, heads and head dim 128. The loader backend needs
+a bundle holding the model's variant: hidden 4096 (Qwen3-8B, Llama-3.1-8B) has no fused kernels in this
+version (their layers exceed one wave of weights in registers), so those two run with --backend reference.
 Exit status 1 when a bound fails. Needs `transformers` (5.x), nothing is downloaded.
 """
 
@@ -44,7 +49,28 @@ import torch
 
 from loader.abi import MAX_M  # tokens per op call (the op's limit); the prefill runs in chunks of this size
 
-HIDDEN, HEAD_DIM, NUM_Q_HEADS, NUM_KV_HEADS = 2048, 128, 16, 8
+# The model shapes (official configs; head dim 128, random weights). --model picks one; its sizes set these
+# module constants for the run. Llama has no per-head q/k norm (the op is called with both norm weights
+# None, kernels built with qk_norm: false); its RoPE scaling would live in the caller's cos/sin table, so
+# the example uses plain NeoX RoPE at its theta.
+MODELS = {
+    "qwen3-1.7b": dict(arch="qwen3", hidden=2048, heads=(16, 8), layers=28, mlp=6144, vocab=151936,
+                       theta=1e6),
+    "qwen3-0.6b": dict(arch="qwen3", hidden=1024, heads=(16, 8), layers=28, mlp=3072, vocab=151936,
+                       theta=1e6),
+    "qwen3-8b": dict(arch="qwen3", hidden=4096, heads=(32, 8), layers=36, mlp=12288, vocab=151936, theta=1e6),
+    "llama-3.1-8b": dict(arch="llama", hidden=4096, heads=(32, 8), layers=32, mlp=14336, vocab=128256,
+                         theta=5e5),
+}  # fmt: skip
+HIDDEN, HEAD_DIM, NUM_Q_HEADS, NUM_KV_HEADS = 2048, 128, 16, 8  # (the default model's; set by use_model)
+
+
+def use_model(name: str) -> dict:
+    """Set the module's sizes to model `name`'s and return its entry of MODELS."""
+    global HIDDEN, NUM_Q_HEADS, NUM_KV_HEADS
+    m = MODELS[name]
+    HIDDEN, (NUM_Q_HEADS, NUM_KV_HEADS) = m["hidden"], m["heads"]
+    return m
 BLOCK_SIZE = 16  # paged KV cache: tokens per block
 E4M3_MAX = 448.0
 
@@ -87,13 +113,15 @@ FP8_HEADROOM = 2.0
 
 # ----------------------------------------------------------------------------------------------- the model
 def build_model(args, device):
-    """Qwen3ForCausalLM at the Qwen3-1.7B shape (or --tiny) with random bf16 weights, seeded, on device."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    """The --model's causal LM (Qwen3ForCausalLM, or LlamaForCausalLM) at its shape (or --tiny) with random
+    bf16 weights, seeded, on device."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    cfg = Qwen3Config(
-        vocab_size=4096 if args.tiny else 151936,
+    spec = MODELS[args.model]
+    common = dict(
+        vocab_size=4096 if args.tiny else spec["vocab"],
         hidden_size=HIDDEN,
-        intermediate_size=1024 if args.tiny else 6144,
+        intermediate_size=1024 if args.tiny else spec["mlp"],
         num_hidden_layers=args.layers,
         num_attention_heads=NUM_Q_HEADS,
         num_key_value_heads=NUM_KV_HEADS,
@@ -101,12 +129,15 @@ def build_model(args, device):
         hidden_act="silu",
         max_position_embeddings=40960,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rope_parameters={"rope_type": "default", "rope_theta": spec["theta"]},
         tie_word_embeddings=True,
         initializer_range=0.02,  # the HF default: hidden std ~1 after each norm, logits std ~0.9
         attention_bias=False,
-        use_sliding_window=False,
     )
+    if spec["arch"] == "llama":
+        cfg = LlamaConfig(**common, mlp_bias=False)
+    else:
+        cfg = Qwen3Config(**common, use_sliding_window=False)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -274,13 +305,14 @@ class FlintDecoder:
         self.layers = []
         for layer, w in zip(model.model.layers, weights, strict=True):
             a = layer.self_attn
+            qkn = hasattr(a, "q_norm")  # (Llama: none; the op takes both norm weights None)
             self.layers.append({
                 "layer": layer,
                 "norm_w": layer.input_layernorm.weight.detach(),
                 "eps": float(layer.input_layernorm.variance_epsilon),
-                "q_norm_w": a.q_norm.weight.detach(),
-                "k_norm_w": a.k_norm.weight.detach(),
-                "qk_eps": float(a.q_norm.variance_epsilon),
+                "q_norm_w": a.q_norm.weight.detach() if qkn else None,
+                "k_norm_w": a.k_norm.weight.detach() if qkn else None,
+                "qk_eps": float(a.q_norm.variance_epsilon) if qkn else 1e-6,
                 **w,
             })  # fmt: skip
 
@@ -607,7 +639,10 @@ def latency(model, dec, prompt, steps, device):
 # ----------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 28; 2 with --tiny)")
+    p.add_argument("--model", choices=tuple(MODELS), default="qwen3-1.7b",
+                   help="the model's shape (default qwen3-1.7b); llama-3.1-8b has no q/k norm")  # fmt: skip
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the model's; 2 with --tiny)")  # fmt: skip
     p.add_argument("--steps", type=int, default=64, help="decode steps compared and timed (default 64)")
     p.add_argument("--prompt-len", type=int, default=20, help="random prompt tokens (default 20)")
     p.add_argument("--weights", choices=("bf16", "nvfp4"), default="bf16")
@@ -633,7 +668,7 @@ def parse_args(argv=None):
     p.add_argument("--bound-scale", type=float, default=1.0, help="multiply every acceptance bound (tests)")
     args = p.parse_args(argv)  # fmt: skip
     if args.layers is None:
-        args.layers = 2 if args.tiny else 28
+        args.layers = 2 if args.tiny else MODELS[args.model]["layers"]
     if args.steps < 2 or args.prompt_len < 1 or args.layers < 1:
         p.error("need --steps >= 2, --prompt-len >= 1, --layers >= 1")
     if not 1 <= args.batch <= MAX_M:
@@ -644,6 +679,7 @@ def parse_args(argv=None):
 def run(argv=None) -> dict:
     """Builds, decodes, compares and times; prints a report and returns it as a dict ("passed": bool)."""
     args = parse_args(argv)
+    use_model(args.model)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.backend == "loader":
         if device.type != "cuda":
@@ -667,7 +703,8 @@ def run(argv=None) -> dict:
         prompt = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
         logits_of = fp32_logits(model)
         print(
-            f"Qwen3ForCausalLM: {args.layers} layers, vocab {model.config.vocab_size}, MLP "
+            f"{type(model).__name__} ({args.model}): {args.layers} layers, hidden {HIDDEN}, heads "
+            f"{NUM_Q_HEADS}/{NUM_KV_HEADS}, vocab {model.config.vocab_size}, MLP "
             f"{model.config.intermediate_size}, random bf16 weights (seed {args.seed}) on {device} "
             f"(built in {time.perf_counter() - t_start:.1f} s)\nqkv weights {args.weights}, KV cache "
             f"{args.kv_cache}, op: {backend}; prompt {args.prompt_len} tokens, {args.steps} decode steps"

@@ -64,6 +64,23 @@ def test_cpu_reference_backend_passes(example, capsys):
 
 
 @needs_transformers
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "qwen3-8b", "llama-3.1-8b"])
+def test_cpu_reference_backend_other_models(example, model, capsys):
+    """The other model shapes (hidden 1024 and 4096; Llama without q/k norm, LlamaForCausalLM's own modules
+    as the reference), a sequence and a batch of three: the logits within the bound measured in the same run
+    at every step, top-1 agreeing wherever the reference's margin is not a near-tie (r["passed"]: the
+    example's own rule; these random models have near-ties at some steps)."""
+    r = example.run([*TINY, "--model", model, "--steps", "6", "--no-latency", "--batch", "3"])
+    out = capsys.readouterr().out
+    assert r["passed"], r["checks"]
+    tf = r["comparisons"]["ours eager vs model"]
+    assert tf["ok"] and tf["top1"] >= 0.5 and 0 < tf["max"] <= r["bound"]
+    assert r["batch"]["ok"] and 0 < r["batch"]["max"] <= r["batch"]["bound"]
+    want = "LlamaForCausalLM" if model.startswith("llama") else "Qwen3ForCausalLM"
+    assert f"{want} ({model})" in out and f"hidden {example.MODELS[model]['hidden']}," in out
+
+
+@needs_transformers
 def test_cpu_batched_decode_passes(example):
     """Three sequences of different prompt lengths decoding together (one op call of M = 3 per layer and
     step, each token at its own position and slots): each sequence within the bound against the model."""
