@@ -419,8 +419,8 @@ def expand(config: dict) -> list[Specialization]:
             specs.append(("norm", abi.norm_spec(res, k)))
     if "qkv" in config:
         q = config["qkv"]
-        heads = [h if len(h) == 3 else [*h, k] for h in q["heads"] for k in ([0] if len(h) == 3 else hidden)]
-        axes = (q["weight_format"], q["rope"], q.get("qk_norm", [True]), heads,
+        # (validate gives the heads as [q, kv, hidden] triples)
+        axes = (q["weight_format"], q["rope"], q.get("qk_norm", [True]), q["heads"],
                 q.get("kv_cache_dtype", ["bf16"]), q.get("norm", ["separate"]),
                 q.get("max_m", list(M_TILES)))  # fmt: skip
         for fmt, rope, qkn, (nq, nkv, k), kv, norm, tile in itertools.product(*axes):
